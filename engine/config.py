@@ -1,0 +1,100 @@
+"""EngineConfig: every engine setting in one frozen dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+Batching = Literal["continuous", "static"]
+KVLayout = Literal["paged", "contiguous"]
+AttentionBackend = Literal["auto", "triton", "torch"]
+
+# On CPU the KV cache is sized from a byte budget: 1 GiB holds ~45k tokens of SmolLM2-135M in
+# bfloat16 (30 layers x 3 KV heads x 64 dims x 2 (K,V) x 2 bytes = 23 KiB per token).
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Model spec: "smollm2-135m" (embedded), a local Hugging Face folder, a .gguf file,
+    # or "random:<preset>[,key=value...]" for speed measurements with random weights.
+    model: str = "smollm2-135m"
+    device: Device = "auto"
+    # "auto" = bfloat16 on CUDA and on CPUs, float32 is for parity tests.
+    dtype: DType = "auto"
+    seed: int = 0
+
+    # --- KV cache ---
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None = size from memory (budget below)
+    kv_cache_memory_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES  # CPU budget for the KV cache
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
+    kv_layout: KVLayout = "paged"
+
+    # --- scheduling ---
+    max_num_seqs: int = 64  # most requests in one step
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None = the model's context length (capped at 8192)
+    batching: Batching = "continuous"
+    enable_chunked_prefill: bool = True
+
+    # --- execution ---
+    attention_backend: AttentionBackend = "auto"
+    enforce_eager: bool = False  # True turns CUDA graphs off
+    num_threads: int | None = None  # CPU torch threads; None = all cores
+
+    # --- telemetry ---
+    step_history_len: int = 2048  # StepStats kept in the ring buffer
+    request_history_len: int = 1024  # finished requests kept for latency charts
+
+    def __post_init__(self) -> None:
+        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("batching", self.batching, ("continuous", "static"))
+        _check_choice("kv_layout", self.kv_layout, ("paged", "contiguous"))
+        _check_choice("attention_backend", self.attention_backend, ("auto", "triton", "torch"))
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError("model: must be a non-empty model spec")
+        _check_positive("block_size", self.block_size)
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _check_positive("step_history_len", self.step_history_len)
+        _check_positive("request_history_len", self.request_history_len)
+        if self.num_kv_blocks is not None:
+            _check_positive("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _check_positive("max_model_len", self.max_model_len)
+        if self.num_threads is not None:
+            _check_positive("num_threads", self.num_threads)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    "max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
+                    f"({self.max_num_batched_tokens} < {self.max_model_len})"
+                )
+
+    def replace(self, **changes: object) -> EngineConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
