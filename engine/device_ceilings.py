@@ -1,0 +1,306 @@
+"""Device ceilings for the roofline: peak FLOP/s per dtype and memory bandwidth.
+
+Measured once per device (a big copy and a big matmul, a few seconds) and cached in-process and
+on disk, or taken from datasheet PRESETS. The roofline says what a step could attain at its
+arithmetic intensity I (FLOP/byte): min(peak, I x bandwidth); the ridge point peak / bandwidth
+is where a step turns from memory-bound to compute-bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+CACHE_FILE_NAME = "device_ceilings.json"
+
+
+@dataclass(frozen=True)
+class DeviceCeilings:
+    name: str  # device name, e.g. "NVIDIA H200" or "AMD EPYC 7B13 (2 threads)"
+    peak_flops_per_s: dict[str, float]  # dtype name ("float32", "bfloat16", ...) -> FLOP/s
+    bandwidth_bytes_per_s: float  # device-memory bytes per second (read + write)
+    measured: bool  # True = measured here, False = datasheet
+    source: str  # how the numbers were obtained
+
+    def peak(self, dtype: object) -> float:
+        key = dtype_name(dtype)
+        if key not in self.peak_flops_per_s:
+            known = ", ".join(sorted(self.peak_flops_per_s))
+            raise KeyError(f"{self.name}: no peak FLOP/s for {key} (known: {known})")
+        return self.peak_flops_per_s[key]
+
+    def ridge_point(self, dtype: object) -> float:
+        """Arithmetic intensity (FLOP/byte) where the bandwidth roof meets the compute roof."""
+        return self.peak(dtype) / self.bandwidth_bytes_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeviceCeilings:
+        return cls(
+            name=str(d["name"]),
+            peak_flops_per_s={str(k): float(v) for k, v in d["peak_flops_per_s"].items()},
+            bandwidth_bytes_per_s=float(d["bandwidth_bytes_per_s"]),
+            measured=bool(d["measured"]),
+            source=str(d["source"]),
+        )
+
+
+def dtype_name(dtype: object) -> str:
+    """ "bfloat16" from "bfloat16" or torch.bfloat16 (without importing torch)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _preset(name: str, bf16: float, fp32: float, bandwidth: float, note: str) -> DeviceCeilings:
+    return DeviceCeilings(
+        name=name,
+        peak_flops_per_s={"float32": fp32, "bfloat16": bf16, "float16": bf16},
+        bandwidth_bytes_per_s=bandwidth,
+        measured=False,
+        source=f"datasheet, dense (no sparsity); {note}",
+    )
+
+
+# Datasheet numbers: dense tensor-core bf16/fp16 and non-tensor-core fp32 peaks.
+PRESETS: dict[str, DeviceCeilings] = {
+    # HBM2e is 2.039e12 B/s; rounded to 2.0e12 so the ridge is the classic teaching value
+    # 312 TFLOPS / 2 TB/s = 156 FLOP/byte (153 with the exact bandwidth).
+    "A100 80GB": _preset("NVIDIA A100 80GB", 312e12, 19.5e12, 2.0e12, "bandwidth rounded"),
+    "H100 SXM": _preset("NVIDIA H100 SXM", 989e12, 67e12, 3.35e12, "HBM3"),
+    "H200": _preset("NVIDIA H200", 989e12, 67e12, 4.8e12, "HBM3e"),
+    "L4": _preset("NVIDIA L4", 121e12, 30.3e12, 300e9, "GDDR6"),
+    # 165.2 TFLOPS is bf16/fp16 with fp32 accumulate (330 with fp16 accumulate).
+    "RTX 4090": _preset("NVIDIA GeForce RTX 4090", 165.2e12, 82.6e12, 1.008e12, "GDDR6X"),
+}
+
+
+def find_preset(device_name: str) -> DeviceCeilings | None:
+    """The datasheet preset for a device name as torch.cuda.get_device_name() spells it."""
+    n = device_name.lower()
+    if "h200" in n:
+        return PRESETS["H200"]
+    if "h100" in n and "pcie" not in n:
+        return PRESETS["H100 SXM"]
+    if "a100" in n and "80" in n:
+        return PRESETS["A100 80GB"]
+    if re.search(r"\bl4\b", n):
+        return PRESETS["L4"]
+    if "4090" in n:
+        return PRESETS["RTX 4090"]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Roofline
+# --------------------------------------------------------------------------------------------
+
+
+def roofline(
+    ceilings: DeviceCeilings, dtype: object, intensity: float | Sequence[float]
+) -> float | list[float]:
+    """Attainable FLOP/s at arithmetic intensity I (FLOP/byte): min(peak, I x bandwidth).
+    A sequence of intensities gives a list."""
+    peak = ceilings.peak(dtype)
+    bw = ceilings.bandwidth_bytes_per_s
+    if isinstance(intensity, int | float):
+        return min(peak, intensity * bw)
+    return [min(peak, i * bw) for i in intensity]
+
+
+def roof_fraction(
+    ceilings: DeviceCeilings, dtype: object, flops: float, bytes_moved: float, duration_s: float
+) -> float:
+    """Achieved FLOP/s over what the roofline allows at this step's intensity (0..1, or above 1
+    when the FLOP/byte estimate or the ceilings are off). 0 for an empty step."""
+    if flops <= 0 or bytes_moved <= 0 or duration_s <= 0:
+        return 0.0
+    attainable = roofline(ceilings, dtype, flops / bytes_moved)
+    return (flops / duration_s) / attainable
+
+
+def roofline_curve(
+    ceilings: DeviceCeilings,
+    dtype: object,
+    intensity_min: float = 0.1,
+    intensity_max: float = 1e4,
+    num_points: int = 200,
+) -> tuple[list[float], list[float]]:
+    """Log-spaced intensities and their attainable FLOP/s, for plotting; the ridge point is
+    inserted when in range so the kink is drawn sharp."""
+    if not 0 < intensity_min < intensity_max:
+        raise ValueError("need 0 < intensity_min < intensity_max")
+    if num_points < 2:
+        raise ValueError("num_points: need at least 2")
+    lo, hi = math.log10(intensity_min), math.log10(intensity_max)
+    xs = [10 ** (lo + (hi - lo) * k / (num_points - 1)) for k in range(num_points)]
+    ridge = ceilings.ridge_point(dtype)
+    if intensity_min < ridge < intensity_max:
+        xs = sorted({*xs, ridge})
+    ys = roofline(ceilings, dtype, xs)
+    assert isinstance(ys, list)
+    return xs, ys
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------
+
+
+def device_name(device: str = "cpu") -> str:
+    """A cache key naming the hardware: the CPU model plus torch's thread count, or the GPU."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    model = "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _best_time_s(fn, device: str, repeats: int, iters: int = 1) -> float:
+    """Best wall time of `iters` calls of fn over `repeats` tries (after one warm-up)."""
+    fn()
+    _sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def measure_bandwidth(device: str = "cpu", num_bytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy, counting the bytes read plus the bytes written."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    num_bytes = num_bytes or ((1 << 30) if cuda else (256 << 20))
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = _best_time_s(lambda: dst.copy_(src), device, repeats, iters=10 if cuda else 1)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def measure_matmul_flops(device: str, dtype: str, time_budget_s: float = 0.4) -> float:
+    """FLOP/s of a square matmul (2 n^3 FLOP). On CPU n grows from 256 (to 2048 at most) until
+    one matmul takes ~20 ms, so slow dtypes (fp16 on many CPUs) still finish quickly; best of
+    the repeats that fit in time_budget_s."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    cuda = device.startswith("cuda")
+    n, max_n = (8192, 8192) if cuda else (256, 2048)
+    while True:
+        a = torch.randn(n, n, device=device).to(torch_dtype)
+        b = torch.randn(n, n, device=device).to(torch_dtype)
+        t = _best_time_s(lambda a=a, b=b: a @ b, device, repeats=1, iters=10 if cuda else 1)
+        if t >= 0.02 or n >= max_n:
+            break
+        n *= 2
+    repeats = max(1, min(20, int(time_budget_s / max(t, 1e-6))))
+    t = min(t, _best_time_s(lambda: a @ b, device, repeats, iters=10 if cuda else 1))
+    return 2.0 * n**3 / t
+
+
+def measure_ceilings(device: str = "cpu", dtypes: Sequence[str] = DTYPES) -> DeviceCeilings:
+    """Measure bandwidth and per-dtype matmul FLOP/s on `device` (a few seconds on CPU)."""
+    t0 = time.perf_counter()
+    bandwidth = measure_bandwidth(device)
+    peaks = {dtype_name(d): measure_matmul_flops(device, dtype_name(d)) for d in dtypes}
+    return DeviceCeilings(
+        name=device_name(device),
+        peak_flops_per_s=peaks,
+        bandwidth_bytes_per_s=bandwidth,
+        measured=True,
+        source=(
+            f"measured on {device}: tensor copy (read + write) and square matmuls, best of "
+            f"repeats, {time.perf_counter() - t0:.1f} s"
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Cache (in-process and on disk)
+# --------------------------------------------------------------------------------------------
+
+_memory_cache: dict[str, DeviceCeilings] = {}
+_cache_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PLAYGROUND_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "inference-playground"
+
+
+def _load_disk_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save_to_disk(ceilings: DeviceCeilings) -> None:
+    path = cache_dir() / CACHE_FILE_NAME
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load_disk_cache(path)
+        data[ceilings.name] = ceilings.to_dict()
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
+    except OSError:
+        pass  # a read-only home must not stop the engine; we just measure again next time
+
+
+def get_ceilings(device: str = "cpu", refresh: bool = False) -> DeviceCeilings:
+    """Ceilings of `device`, measured at most once per device name: from this process's cache,
+    else the JSON cache file, else measured now (and saved). refresh=True measures again."""
+    name = device_name(device)
+    with _cache_lock:
+        if not refresh:
+            if name in _memory_cache:
+                return _memory_cache[name]
+            entry = _load_disk_cache(cache_dir() / CACHE_FILE_NAME).get(name)
+            if entry is not None:
+                try:
+                    _memory_cache[name] = DeviceCeilings.from_dict(entry)
+                    return _memory_cache[name]
+                except (KeyError, TypeError, ValueError, AttributeError):
+                    pass  # a stale or hand-edited entry: measure again
+        ceilings = measure_ceilings(device)
+        _memory_cache[name] = ceilings
+        _save_to_disk(ceilings)
+        return ceilings
+
+
+def clear_memory_cache() -> None:
+    """Forget in-process measurements (tests; the disk cache stays)."""
+    with _cache_lock:
+        _memory_cache.clear()

@@ -1,0 +1,133 @@
+"""Device ceilings: roofline math, datasheet presets, measurement and its two caches."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from engine import device_ceilings as dc
+from engine.device_ceilings import (
+    CACHE_FILE_NAME,
+    PRESETS,
+    DeviceCeilings,
+    find_preset,
+    get_ceilings,
+    roof_fraction,
+    roofline,
+    roofline_curve,
+)
+
+TOY = DeviceCeilings(
+    name="toy",
+    peak_flops_per_s={"bfloat16": 100.0, "float32": 10.0},
+    bandwidth_bytes_per_s=10.0,
+    measured=False,
+    source="test",
+)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAYGROUND_CACHE_DIR", str(tmp_path))
+    dc.clear_memory_cache()
+    yield tmp_path
+    dc.clear_memory_cache()
+
+
+def test_roofline_is_min_of_roofs():
+    assert TOY.ridge_point("bfloat16") == 10.0
+    assert roofline(TOY, "bfloat16", 1.0) == 10.0  # memory-bound: I x bandwidth
+    assert roofline(TOY, "bfloat16", 10.0) == 100.0  # at the ridge both roofs meet
+    assert roofline(TOY, "bfloat16", 1000.0) == 100.0  # compute-bound: the peak
+    assert roofline(TOY, "bfloat16", [0.5, 5, 50]) == [5.0, 50.0, 100.0]
+    assert roofline(TOY, "float32", [0.5, 5]) == [5.0, 10.0]
+
+
+def test_dtype_names_and_missing_dtype():
+    torch = pytest.importorskip("torch")
+    assert TOY.peak(torch.bfloat16) == 100.0
+    with pytest.raises(KeyError, match="float16"):
+        TOY.peak("float16")
+
+
+def test_roof_fraction():
+    # 20 FLOP over 4 bytes in 1 s: intensity 5 -> attainable 50 FLOP/s, achieved 20.
+    assert roof_fraction(TOY, "bfloat16", 20.0, 4.0, 1.0) == pytest.approx(0.4)
+    # Compute-bound: 1000 FLOP / 1 byte in 20 s = 50 FLOP/s of a 100 peak.
+    assert roof_fraction(TOY, "bfloat16", 1000.0, 1.0, 20.0) == pytest.approx(0.5)
+    assert roof_fraction(TOY, "bfloat16", 0.0, 0.0, 0.1) == 0.0
+
+
+def test_roofline_curve_has_sharp_ridge():
+    xs, ys = roofline_curve(TOY, "bfloat16", 0.1, 1000.0, 4)
+    assert len(xs) == 5  # 4 log-spaced points (10^-1, 10^(1/3), ...) + the ridge at 10
+    assert xs == sorted(xs)
+    assert xs[0] == pytest.approx(0.1)
+    assert xs[-1] == pytest.approx(1000.0)
+    assert 10.0 in xs
+    assert ys == [min(100.0, x * 10.0) for x in xs]
+
+
+def test_presets():
+    a100 = PRESETS["A100 80GB"]
+    assert a100.ridge_point("bfloat16") == pytest.approx(156.0)
+    assert a100.ridge_point("float16") == pytest.approx(156.0)
+    assert PRESETS["H100 SXM"].ridge_point("bfloat16") == pytest.approx(295, rel=0.01)
+    assert PRESETS["H200"].ridge_point("bfloat16") == pytest.approx(206, rel=0.01)
+    for preset in PRESETS.values():
+        assert not preset.measured
+        assert set(preset.peak_flops_per_s) == {"float32", "bfloat16", "float16"}
+        assert preset.peak("float32") < preset.peak("bfloat16")
+    assert find_preset("NVIDIA A100-SXM4-80GB") is a100
+    assert find_preset("NVIDIA H100 80GB HBM3") is PRESETS["H100 SXM"]
+    assert find_preset("NVIDIA H200") is PRESETS["H200"]
+    assert find_preset("NVIDIA L4") is PRESETS["L4"]
+    assert find_preset("NVIDIA L40S") is None
+    assert find_preset("NVIDIA GeForce RTX 4090") is PRESETS["RTX 4090"]
+
+
+def test_dict_round_trip():
+    assert DeviceCeilings.from_dict(json.loads(json.dumps(TOY.to_dict()))) == TOY
+
+
+def test_measure_and_cache_on_cpu(cache_dir, monkeypatch):
+    t0 = time.perf_counter()
+    first = get_ceilings("cpu")
+    assert time.perf_counter() - t0 < 10.0
+    assert first.measured
+    assert first.bandwidth_bytes_per_s > 0
+    assert set(first.peak_flops_per_s) == {"float32", "bfloat16", "float16"}
+    assert all(v > 0 for v in first.peak_flops_per_s.values())
+    assert first.ridge_point("float32") > 0
+
+    path = cache_dir / CACHE_FILE_NAME
+    assert first.name in json.loads(path.read_text())
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("should have come from a cache")
+
+    monkeypatch.setattr(dc, "measure_ceilings", no_measuring)
+    t0 = time.perf_counter()
+    assert get_ceilings("cpu") is first  # in-process cache
+    assert time.perf_counter() - t0 < 0.5
+    dc.clear_memory_cache()
+    assert get_ceilings("cpu") == first  # from the JSON file
+
+
+def test_refresh_and_bad_cache_file(cache_dir, monkeypatch):
+    calls = []
+
+    def fake_measure(device="cpu", dtypes=dc.DTYPES):
+        calls.append(device)
+        return DeviceCeilings(dc.device_name(device), {"float32": 1.0}, 2.0, True, "fake")
+
+    monkeypatch.setattr(dc, "measure_ceilings", fake_measure)
+    (cache_dir / CACHE_FILE_NAME).write_text("{not json")
+    get_ceilings("cpu")
+    get_ceilings("cpu")
+    assert len(calls) == 1
+    get_ceilings("cpu", refresh=True)
+    assert len(calls) == 2
+    assert json.loads((cache_dir / CACHE_FILE_NAME).read_text())  # rewritten, valid again
