@@ -46,7 +46,9 @@ class SamplingParams:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
         if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
             raise ValueError(f"seed: must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
@@ -156,6 +158,7 @@ class Request:
     # Incremental detokenization state: text before `read_offset` tokens has been emitted.
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
+    num_text_chars_sent: int = 0  # output_text already handed to the caller
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,306 @@
+"""LLMEngine: add_request / abort / step over the scheduler, the model runner and telemetry.
+
+Single-threaded by design: EngineService (engine/service.py) drives it from one thread, and
+LLM (engine/llm.py) drives it in the caller's thread for offline batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from engine.block_manager import BlockManager, BlockSnapshot
+from engine.config import EngineConfig
+from engine.detokenizer import detokenize_new, find_stop, init_offsets, stop_holdback
+from engine.metrics import ModelShape, RingBuffer, StepCost, StepStats, step_cost, step_kind
+from engine.model_loader import load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.prom import EngineMetricsRegistry
+from engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    new_request_id,
+)
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import EngineStats, FinishedRequest, RequestProgress
+
+logger = logging.getLogger(__name__)
+
+# Longest context the engine allocates RoPE tables for when the model allows more.
+_DEFAULT_MAX_MODEL_LEN = 8192
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.source = resolve_model(config.model)
+        self.model_name = self.source.name
+        self.tokenizer = load_tokenizer(self.source)
+        arch = self.source.arch
+        self.max_model_len = config.max_model_len or min(
+            arch.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN
+        )
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's context length "
+                f"{arch.max_position_embeddings}"
+            )
+        self.runner = ModelRunner(config, self.source, self.max_model_len)
+        self.block_manager = BlockManager(
+            self.runner.kv_spec.num_blocks, config.block_size, config.kv_layout, self.max_model_len
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            batching=config.batching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.eos_token_ids = self._eos_token_ids()
+        self.shape = ModelShape(
+            num_layers=arch.num_layers,
+            hidden_size=arch.hidden_size,
+            intermediate_size=arch.intermediate_size,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            vocab_size=arch.vocab_size,
+            tie_word_embeddings=arch.tie_word_embeddings,
+            weight_bytes_per_param=self.runner.dtype.itemsize,
+            kv_bytes_per_element=self.runner.dtype.itemsize,
+        )
+        self.step_history: RingBuffer[StepStats] = RingBuffer(config.step_history_len)
+        self.finished_history: RingBuffer[FinishedRequest] = RingBuffer(config.request_history_len)
+        self.metrics_registry = EngineMetricsRegistry(model_name=self.model_name)
+        self._requests: dict[str, Request] = {}
+        self._num_steps = 0
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.source.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # --- requests in ---
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(f"prompt: model {self.model_name!r} has no tokenizer; pass ids")
+            return list(self.tokenizer(prompt).input_ids)
+        ids = list(prompt)
+        vocab = self.source.arch.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        return ids
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"messages: model {self.model_name!r} has no chat template")
+        if not messages:
+            raise ValueError("messages: must not be empty")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and tokenize; safe to call from any thread (touches no engine state)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        prompt_ids = self.encode(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        blocks = self.block_manager.max_blocks_for(max_total)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt: this request needs up to {blocks} KV blocks "
+                f"({max_total} tokens, {self.config.kv_layout} layout) but the cache has only "
+                f"{self.block_manager.num_blocks}; shorten it, lower max_tokens or grow the cache"
+            )
+        request = Request(
+            request_id=request_id or new_request_id(),
+            prompt_token_ids=prompt_ids,
+            params=params,
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            prompt=prompt if isinstance(prompt, str) else None,
+            eos_token_ids=self.eos_token_ids,
+            max_total_tokens=max_total,
+        )
+        init_offsets(request)
+        return request
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        self._requests[request.request_id] = request
+        self.scheduler.add_request(request)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:  # fmt: skip
+        request = self.make_request(prompt, params, request_id)
+        self.add(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        return self._finalize(request, new_token_ids=[])
+
+    def abort_all(self, error: str | None = None) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self._requests):
+            out = self.abort(request_id)
+            if out is not None:
+                out.error = error
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- one step ---
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        # The step's shape, taken before update() advances num_computed_tokens.
+        num_new = [s.num_new_tokens for s in sched.scheduled]
+        context = [s.request.num_computed_tokens + s.num_new_tokens for s in sched.scheduled]
+        num_logits = sum(s.samples for s in sched.scheduled)
+        cost = step_cost(self.shape, num_new, context, num_logits)
+        sampled = self.runner.execute(sched)
+        self.runner.synchronize()
+        now = time.perf_counter()
+        touched = self.scheduler.update(sched, sampled, now)
+        outputs = [self._output_for(request) for request in touched]
+        self._record_step(sched, cost, start, time.perf_counter())
+        return [o for o in outputs if o is not None]
+
+    def _output_for(self, request: Request) -> RequestOutput | None:
+        new_token_ids = request.output_token_ids[-1:]
+        if self.tokenizer is not None:
+            new_text = detokenize_new(self.tokenizer, request, final=request.finished)
+            params = request.params
+            if params.stop and new_text and not request.finished:
+                cut = find_stop(request.output_text, params.stop, len(new_text))
+                if cut is not None:
+                    request.output_text = request.output_text[:cut]
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        if request.finished:
+            return self._finalize(request, new_token_ids)
+        return self._delta(request, new_token_ids)
+
+    def _delta(self, request: Request, new_token_ids: list[int]) -> RequestOutput | None:
+        # While streaming, hold back text that could be the start of a stop string.
+        sendable = len(request.output_text)
+        if request.params.stop and not request.finished:
+            sendable -= stop_holdback(request.params.stop)
+        sent = request.num_text_chars_sent
+        new_text = request.output_text[sent:sendable] if sendable > sent else ""
+        request.num_text_chars_sent = max(sent, sendable)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=request.output_text[: request.num_text_chars_sent],
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            metrics=request.metrics,
+        )
+
+    def _finalize(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        self._requests.pop(request.request_id, None)
+        self.runner.release(request.request_id)
+        reason = request.finish_reason or "abort"
+        self.finished_history.append(FinishedRequest(request.request_id, reason, request.metrics))
+        self.metrics_registry.observe_finished(request.metrics, reason)
+        return self._delta(request, new_token_ids)
+
+    def _record_step(
+        self, sched: SchedulerOutput, cost: StepCost, start: float, end: float
+    ) -> None:
+        num_decode_reqs = sum(item.num_new_tokens == 1 for item in sched.scheduled)
+        bm = self.block_manager
+        stats = StepStats(
+            step_index=self._num_steps,
+            start_time=start,
+            duration_s=end - start,
+            kind=step_kind(sched.num_prefill_tokens, sched.num_decode_tokens),
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_prefill_reqs=len(sched.scheduled) - num_decode_reqs,
+            num_decode_reqs=num_decode_reqs,
+            batch_size=len(sched.scheduled),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=len(sched.preempted_ids),
+            num_blocks_used=bm.num_used_blocks,
+            num_blocks_free=bm.num_free_blocks,
+            num_kv_blocks=bm.num_blocks,
+            flops=cost.flops,
+            bytes_moved=cost.bytes_moved,
+        )
+        self._num_steps += 1
+        self.step_history.append(stats)
+        self.metrics_registry.observe_step(stats)
+
+    # --- snapshots ---
+    def stats(self) -> EngineStats:
+        """Cheap and lock-free: counters plus copies of the ring buffers."""
+        return EngineStats(
+            num_kv_blocks=self.block_manager.num_blocks,
+            num_free_kv_blocks=self.block_manager.num_free_blocks,
+            block_size=self.config.block_size,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_steps_total=self._num_steps,
+            steps=self.step_history.snapshot(),
+            finished=self.finished_history.snapshot(),
+        )
+
+    def block_snapshot(self) -> BlockSnapshot:
+        return self.block_manager.snapshot()
+
+    def queue_snapshot(self) -> list[RequestProgress]:
+        rows = []
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            rows.append(
+                RequestProgress(
+                    request_id=request.request_id,
+                    status=request.status.value,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_computed_tokens=request.num_computed_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    max_tokens=request.params.max_tokens,
+                    num_blocks=len(self.block_manager.block_table(request.request_id)),
+                )
+            )
+        return rows

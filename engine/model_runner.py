@@ -1,0 +1,285 @@
+"""ModelRunner: owns the weights and the KV tensors, turns a SchedulerOutput into tensors.
+
+Only this module (and the model it runs) creates tensors. Per-step host work is O(batch +
+new tokens + context blocks); nothing is rebuilt per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.block_manager import cdiv
+from engine.config import EngineConfig
+from engine.detokenizer import token_slice
+from engine.model_loader import ModelSource, iter_safetensors
+from engine.models.llama import LlamaForCausalLM
+from engine.request import Request, SamplingParams
+from engine.sampler import sample
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_PROFILE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16  # fast on GPUs and on CPUs with AMX/AVX512-BF16
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int  # tokens per block
+    bytes_per_block: int  # K and V, all layers
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.config = config
+        self.arch = source.arch
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.backend = self._resolve_backend(config.attention_backend)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.model = self._load_model(source)
+        self.kv_spec = self._plan_kv_cache()
+        arch = self.arch
+        # One tensor for all layers: [layers, 2 (K,V), blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(
+            arch.num_layers, 2, self.kv_spec.num_blocks, self.block_size,
+            arch.num_kv_heads, arch.head_dim, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        self.kv_caches = [
+            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(arch.num_layers)
+        ]
+        self._generators: dict[str, torch.Generator] = {}
+        self._seed_rng = random.Random(config.seed)
+
+    # --- set-up ---
+    def _resolve_backend(self, backend: str) -> str:
+        if backend == "auto":
+            return "triton" if self.device.type == "cuda" else "torch"
+        return backend
+
+    def _load_model(self, source: ModelSource) -> LlamaForCausalLM:
+        # Built on the meta device, then materialized: no time spent on throw-away init.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.arch, max_positions=self.max_model_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        if source.weights_dir is None:
+            _init_random_weights(model, seed=self.config.seed)
+        else:
+            model.load_hf_weights(iter_safetensors(source.weights_dir))
+        model.init_rope()
+        return model.eval().requires_grad_(False)
+
+    def _plan_kv_cache(self) -> KVCacheSpec:
+        arch = self.arch
+        bytes_per_block = (
+            2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * self.block_size
+            * self.dtype.itemsize
+        )  # fmt: skip
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_cuda_blocks(bytes_per_block)
+        else:
+            num_blocks = self.config.kv_cache_memory_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"num_kv_blocks: the KV budget holds no block of {bytes_per_block} bytes; "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization or set num_kv_blocks"
+            )
+        return KVCacheSpec(num_blocks, self.block_size, bytes_per_block)
+
+    def _profile_cuda_blocks(self, bytes_per_block: int) -> int:
+        """Blocks that fit in gpu_memory_utilization x device memory after weights and a
+        worst-case forward pass (max_num_batched_tokens tokens) have taken their share."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        dummy = ScheduledRequest(
+            Request("profile", [0] * num_tokens, _PROFILE_PARAMS, arrival_time=0.0),
+            num_tokens, list(range(cdiv(num_tokens, self.block_size))),
+        )  # fmt: skip
+        self.kv_caches = _scratch_kv(self.arch, cdiv(num_tokens, self.block_size), self.block_size,
+                                     self.dtype, self.device)  # fmt: skip
+        self.execute(SchedulerOutput(scheduled=[dummy], num_prefill_tokens=num_tokens))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del self.kv_caches
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        return max(0, budget // bytes_per_block)
+
+    # --- per step ---
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns the sampled token of every request that reached its end."""
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bs = self.block_size
+        for s in ordered:
+            start = s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids.extend(token_slice(s.request, start, end))
+            positions.extend(range(start, end))
+            table = s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        dev = self.device
+        meta = self._build_metadata(decodes, prefills, torch.tensor(slots, device=dev))
+        with torch.inference_mode():
+            hidden = self.model(
+                torch.tensor(input_ids, device=dev),
+                torch.tensor(positions, device=dev),
+                self.kv_caches,
+                meta,
+            )
+            # Only the last token of each request that reached its end is turned into logits.
+            rows, samplers = [], []
+            offset = 0
+            for s in ordered:
+                offset += s.num_new_tokens
+                if s.samples:
+                    rows.append(offset - 1)
+                    samplers.append(s.request)
+            if not samplers:
+                return {}
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
+            tokens = sample(
+                logits,
+                [r.params for r in samplers],
+                [self._generator(r) for r in samplers],
+                [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in samplers],
+            )
+        return {r.request_id: t for r, t in zip(samplers, tokens, strict=True)}
+
+    def _build_metadata(
+        self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest], slot_mapping
+    ) -> AttentionMetadata:
+        dev, bs = self.device, self.block_size
+        meta = AttentionMetadata(
+            backend=self.backend, slot_mapping=slot_mapping, num_decode_tokens=len(decodes),
+            decode_block_tables=None, decode_seq_lens=None, decode_ctx_slots=None,
+            decode_ctx_mask=None, prefill_q_lens=[], prefill_ctx_lens=[], prefill_ctx_slots=[],
+            prefill_block_tables=None, prefill_seq_lens=None, prefill_query_start_loc=None,
+        )  # fmt: skip
+        if decodes:
+            seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
+            tables = _pad_tables([s.block_table for s in decodes], cdiv(max(seq_lens), bs), dev)
+            lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+            meta.decode_block_tables, meta.decode_seq_lens = tables, lens
+            if self.backend == "torch":
+                max_len = max(seq_lens)
+                pos = torch.arange(max_len, device=dev)
+                meta.decode_ctx_slots = tables[:, pos // bs].long() * bs + pos % bs
+                meta.decode_ctx_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+        for s in prefills:
+            ctx_len = s.request.num_computed_tokens + s.num_new_tokens
+            meta.prefill_q_lens.append(s.num_new_tokens)
+            meta.prefill_ctx_lens.append(ctx_len)
+            if self.backend == "torch":
+                ctx_slots = None
+                if ctx_len > s.num_new_tokens:
+                    table = torch.tensor(s.block_table[: cdiv(ctx_len, bs)], device=dev)
+                    pos = torch.arange(ctx_len, device=dev)
+                    ctx_slots = table[pos // bs] * bs + pos % bs
+                meta.prefill_ctx_slots.append(ctx_slots)
+            else:
+                meta.prefill_ctx_slots.append(None)
+        if prefills and self.backend != "torch":
+            ctx_lens = meta.prefill_ctx_lens
+            meta.prefill_block_tables = _pad_tables(
+                [s.block_table for s in prefills], cdiv(max(ctx_lens), bs), dev
+            )
+            meta.prefill_seq_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+            starts = [0]
+            for q_len in meta.prefill_q_lens:
+                starts.append(starts[-1] + q_len)
+            meta.prefill_query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
+        return meta
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        if request.params.greedy:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            seed = request.params.seed
+            if seed is None:
+                seed = self._seed_rng.getrandbits(63)
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._generators[request.request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (its RNG) once the request has finished."""
+        self._generators.pop(request_id, None)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the allocated K and V tensors (must equal metrics.kv_cache_bytes)."""
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _pad_tables(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    rows = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def _scratch_kv(arch, num_blocks: int, block_size: int, dtype, device):
+    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(arch.num_layers)
+    ]
+
+
+def _init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                # Drawn on CPU in float32 for reproducibility across devices, row block by block
+                # so an 8B model never needs a float32 copy of itself.
+                for chunk in param.split(4096, dim=0):
+                    chunk.copy_(torch.randn(chunk.shape, generator=gen) * 0.02)

@@ -1,0 +1,320 @@
+"""The OpenAI API's shapes: request models (pydantic), response/chunk builders and errors.
+
+Unknown request fields are accepted and ignored (clients send vendor extensions through
+`extra_body`); fields we cannot honor are rejected with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """A pydantic error as a 400 naming the first bad field (e.g. "messages.0.role")."""
+    parts, first_param = [], None
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("function-", "list[")))
+        # Union members show up as their type names ("str", "list[int]"): drop those.
+        loc = ".".join(p for p in loc.split(".") if p not in ("str", "int", "float", "bool"))
+        first_param = first_param or loc or None
+        parts.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+    return bad_request("; ".join(dict.fromkeys(parts)), param=first_param)
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Model):
+    model: str | None = None  # None = the served model
+    max_tokens: int | None = None
+    temperature: float | None = None  # None = 1.0, OpenAI's default
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM): -1 = off
+    min_p: float | None = None  # extension (vLLM)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens
+    repetition_penalty: float | None = None  # extension (vLLM)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    # A text, a list of token ids, or a batch of one of those (only batches of one are served).
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    # A string or OpenAI content parts [{"type": "text", "text": ...}].
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins if both
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def completion_response(
+    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage_,
+    }
+
+
+def completion_chunk(
+    request_id: str, model: str, text: str, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def chat_response(
+    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(
+    request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(request_id: str, model: str, obj: str, usage_: dict[str, int]) -> dict[str, Any]:
+    """The last chunk when stream_options.include_usage: no choices, only usage."""
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage_,
+    }
+
+
+# --- requests -> engine inputs ---------------------------------------------------------------
+
+_CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def field_of(message: str) -> str | None:
+    """The field an engine ValueError names ("top_p: must be in (0, 1]" -> "top_p")."""
+    head, sep, _ = message.partition(":")
+    return head.strip() if sep and head.strip().isidentifier() else None
+
+
+def _reject_unsupported(req: _SamplingRequest) -> None:
+    if req.n != 1:
+        raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise bad_request(f"{name}: not supported; use repetition_penalty", param=name)
+    if req.logit_bias:
+        raise bad_request("logit_bias: not supported", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad_request("echo: not supported", param="echo")
+        if req.logprobs is not None:
+            raise bad_request("logprobs: not supported", param="logprobs")
+        if req.suffix:
+            raise bad_request("suffix: not supported", param="suffix")
+        if req.best_of not in (None, 1):
+            raise bad_request("best_of: only best_of=1 is supported", param="best_of")
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs or req.top_logprobs:
+            raise bad_request("logprobs: not supported", param="logprobs")
+        if req.tools:
+            raise bad_request("tools: tool calling is not supported", param="tools")
+        kind = (req.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise bad_request(
+                f"response_format: only 'text' is supported, got {kind!r}", param="response_format"
+            )
+
+
+def sampling_params(req: _SamplingRequest, max_tokens: int) -> Any:
+    """The request's SamplingParams; a bad value becomes a 400 naming its field."""
+    from engine.request import SamplingParams
+
+    _reject_unsupported(req)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            stop=req.stop or (),
+            stop_token_ids=req.stop_token_ids or (),
+            ignore_eos=req.ignore_eos,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        )
+    except ValueError as e:
+        param = field_of(str(e))
+        if param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+            param = "max_completion_tokens"
+        raise bad_request(str(e), param=param) from None
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: a text or a list of token ids (the engine
+    checks the ids against the vocabulary)."""
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise bad_request(
+                "prompt: batches of several prompts are not supported; send one per request",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if len(prompt) == 0:
+        raise bad_request("prompt: must not be empty", param="prompt")
+    return prompt
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages for the chat template: text-only content, 'developer' read as 'system'."""
+    if not req.messages:
+        raise bad_request("messages: must not be empty", param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.role not in _CHAT_ROLES:
+            raise bad_request(
+                f"messages.{i}.role: must be one of {', '.join(_CHAT_ROLES)}; got {m.role!r}",
+                param=f"messages.{i}.role",
+            )
+        content = m.content
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            if len(texts) != len(content) or any(
+                p.get("type") != "text" or not isinstance(t, str)
+                for p, t in zip(content, texts, strict=True)
+            ):
+                raise bad_request(
+                    f"messages.{i}.content: only text content parts are supported",
+                    param=f"messages.{i}.content",
+                )
+            content = "\n".join(texts)  # type: ignore[arg-type]
+        role = "system" if m.role == "developer" else m.role
+        messages.append({"role": role, "content": content or ""})
+    return messages

@@ -1,0 +1,50 @@
+"""Snapshots the engine hands to its callers (UI, server): plain data, no tensors, no locks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.metrics import StepStats
+from engine.request import RequestMetrics
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """One queued or running request, for the live queue view."""
+
+    request_id: str
+    status: str  # "waiting" | "running" | "preempted"
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose K/V are in the cache
+    num_output_tokens: int
+    max_tokens: int
+    num_blocks: int  # KV blocks it holds
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    block_size: int  # tokens per block
+    kv_cache_bytes: int  # bytes of the allocated K and V tensors
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    num_steps_total: int
+    steps: list[StepStats] = field(default_factory=list)  # most recent last
+    finished: list[FinishedRequest] = field(default_factory=list)  # most recent last
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        return self.num_kv_blocks - self.num_free_kv_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
