@@ -74,12 +74,15 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    "max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
-                    f"({self.max_num_batched_tokens} < {self.max_model_len})"
-                )
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                "max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
 
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""

@@ -127,7 +127,7 @@ class RequestMetrics:
     def itl_s(self) -> list[float]:
         """Gaps between consecutive output tokens."""
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(t)]
 
 
 _request_counter = itertools.count()

@@ -268,6 +268,8 @@ def _submit(service: Any, prompt: str | list[int], params: Any, request_id: str)
     except ValueError as e:  # empty / too long prompt, never fits the KV cache, ...
         message = str(e)
         raise bad_request(message, param=field_of(message) or "prompt") from None
+    except RuntimeError as e:  # the engine is shutting down
+        raise APIError(503, str(e), type="service_unavailable") from None
 
 
 async def _collect(service: Any, stream: Any, request: Request) -> Any:
@@ -294,6 +296,8 @@ async def _collect(service: Any, stream: Any, request: Request) -> Any:
             service.abort(stream.request_id)
             work.cancel()
     last = work.result()
+    if not getattr(service, "is_running", True):
+        raise APIError(503, "the server is shutting down", type="service_unavailable")
     if last is None or last.error:
         detail = last.error if last is not None else "no output"
         raise APIError(500, f"the engine failed the request: {detail}", type="internal_error")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -42,10 +43,9 @@ class RequestStream:
             self._cond.notify_all()
             loop, event = self._loop, self._event
         if loop is not None and event is not None:
-            try:
+            # RuntimeError: the consumer's loop has closed; nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the consumer's loop has closed; nobody is listening
-                pass
 
     # --- consumer side ---
     def __iter__(self) -> RequestStream:
