@@ -474,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
-    _Server(uv_config, app.state.server).run()
+    # uvicorn shuts down cleanly on Ctrl+C, then re-raises the signal: that is a normal exit.
+    with contextlib.suppress(KeyboardInterrupt):
+        _Server(uv_config, app.state.server).run()
     return 0
 
 

@@ -270,10 +270,11 @@ def sampling_params(req: _SamplingRequest, max_tokens: int) -> Any:
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         )
     except ValueError as e:
-        param = field_of(str(e))
+        message, param = str(e), field_of(str(e))
         if param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
-            param = "max_completion_tokens"
-        raise bad_request(str(e), param=param) from None
+            param = "max_completion_tokens"  # name the field the client actually sent
+            message = message.replace("max_tokens", param, 1)
+        raise bad_request(message, param=param) from None
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
