@@ -179,7 +179,8 @@ def _decode_reduce_kernel(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def device_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small stand-in for the CPU interpreter."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # CPU interpreter: few programs keep tests fast, still more than one partition
@@ -279,7 +280,7 @@ def paged_attention_decode(
     # Upper bound on seq_lens from the table's width: no device read, CUDA-graph safe.
     max_seq_len = block_tables.shape[1] * block_size
     partition_tokens = partition_tokens_for(
-        batch, num_kv_heads, max_seq_len, _num_sms(query.device)
+        batch, num_kv_heads, max_seq_len, device_num_sms(query.device)
     )
     num_partitions = triton.cdiv(max_seq_len, partition_tokens)
     direct = num_partitions == 1
