@@ -27,6 +27,7 @@ from kernels.kv_store import check_kv_cache
 
 LOG2_E = 1.4426950408889634
 MIN_PARTITION_TOKENS = 128
+MAX_PARTITION_TOKENS = 512
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to hide gather latency
 
 
@@ -84,8 +85,11 @@ def _decode_partition_kernel(
 
     rows = tl.arange(0, GROUP_ROWS)
     dims = tl.arange(0, HEAD_DIM)
-    row_valid = rows < GROUP_SIZE
     heads = kv_head * GROUP_SIZE + rows
+    # A CUDA graph sizes the grid for the longest possible context, so most partitions of a
+    # short request are empty: they load and store nothing (the reduce never reads them).
+    # Partition 0 always counts, so the direct path writes every row, zeros for seq_len 0.
+    row_valid = (rows < GROUP_SIZE) & ((start < seq_len) | (partition == 0))
     query_offsets = batch * stride_query_batch + heads[:, None] * stride_query_head + dims[None, :]
     query = tl.load(query_ptr + query_offsets, mask=row_valid[:, None], other=0.0)
 
@@ -119,7 +123,6 @@ def _decode_partition_kernel(
         out_offsets = batch * stride_out_batch + heads[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        # Partitions past seq_len store (-inf, 0, 0); the reduce kernel never reads them.
         partial = (batch * num_heads + heads).to(tl.int64) * num_partitions + partition
         tl.store(partial_max_ptr + partial, row_max, mask=row_valid)
         tl.store(partial_sum_ptr + partial, row_sum, mask=row_valid)
@@ -187,16 +190,17 @@ def device_num_sms(device: torch.device) -> int:
 
 
 def partition_tokens_for(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Context tokens per flash-decoding partition: a power of two >= MIN_PARTITION_TOKENS.
+    """Context tokens per flash-decoding partition: a power of two in [128, 512].
 
     Splits the context until batch * num_kv_heads * num_partitions reaches PROGRAMS_PER_SM
-    programs per SM, so batch 1 with an 8k context still fills the GPU; large batches get one
-    partition (no reduce pass).
+    programs per SM, so batch 1 with an 8k context still fills the GPU. The 512 cap (vLLM's
+    partition size) keeps big batches in many short programs, which balances SMs better than
+    a few long ones (wave tails) for a reduce pass that moves < 1% of the K/V bytes.
     """
     target_programs = PROGRAMS_PER_SM * num_sms
     wanted_partitions = triton.cdiv(target_programs, max(batch * num_kv_heads, 1))
     tokens = triton.next_power_of_2(triton.cdiv(max(max_seq_len, 1), wanted_partitions))
-    return max(tokens, MIN_PARTITION_TOKENS)
+    return min(max(tokens, MIN_PARTITION_TOKENS), MAX_PARTITION_TOKENS)
 
 
 def check_attention_inputs(

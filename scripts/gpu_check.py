@@ -74,6 +74,7 @@ def main() -> int:
     failed |= run_e2e(args, rows)
     print_table(rows)
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}")
     return 1 if failed else 0

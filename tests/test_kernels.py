@@ -157,8 +157,25 @@ def test_partition_count_fills_gpu_for_one_long_request():
         partition_tokens = partition_tokens_for(1, num_kv_heads, 8192, num_sms)
         num_programs = num_kv_heads * triton.cdiv(8192, partition_tokens)
         assert num_programs >= num_sms
-    # A big batch already fills the GPU: few partitions, each a long stretch of context.
-    assert partition_tokens_for(256, 8, 2048, num_sms) == 2048
+    # Big batches keep 512-token partitions; short contexts need no split (no reduce pass).
+    assert partition_tokens_for(64, 8, 2048, num_sms) == 512
+    assert partition_tokens_for(256, 8, 300, num_sms) >= 300
+
+
+@pytest.mark.parametrize("extra_blocks", [0, 100])  # direct write / many empty partitions
+def test_decode_padded_batch_and_wide_block_table(extra_blocks):
+    """CUDA-graph shapes: a padding request with seq_len 0 (zeros out) and a block table far
+    wider than the contexts (partitions past seq_len must neither write nor be read)."""
+    k_cache, v_cache, block_tables, seq_lens = make_paged_context([1, 3, 40], 2, 64, 8, F16, 5)
+    seq_lens[0] = 0
+    padding = block_tables[:, -1:].expand(-1, extra_blocks)
+    block_tables = torch.cat([block_tables, padding], dim=1).contiguous()
+    query = torch.randn(3, 4, 64).half()
+    out = torch.full_like(query, float("nan"))
+    paged_attention_decode(query, k_cache, v_cache, block_tables, seq_lens, 0.125, out=out)
+    ref = paged_attention_decode_ref(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert relative_error(out[1:], ref[1:]) <= TOLERANCE[F16]
 
 
 def test_decode_without_out_allocates_query_dtype():
