@@ -3,7 +3,7 @@ import os
 # Before any kernel module imports triton: Triton kernels run (and are tested) on CPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")
