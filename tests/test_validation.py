@@ -46,24 +46,24 @@ def test_bad_engine_config(kwargs, field):
 
 
 def test_unknown_model_spec():
-    with pytest.raises(ValueError, match="^model: unknown model spec"):
+    with pytest.raises(ValueError, match=r"^model: unknown model spec"):
         LLM(model="no-such-model")
-    with pytest.raises(ValueError, match="^model: unknown random preset"):
+    with pytest.raises(ValueError, match=r"^model: unknown random preset"):
         LLM(model="random:gpt-5")
 
 
 def test_unknown_config_field():
-    with pytest.raises(ValueError, match="^max_seqs: not an EngineConfig field"):
+    with pytest.raises(ValueError, match=r"^max_seqs: not an EngineConfig field"):
         LLM(model="random:tiny", max_seqs=4)
 
 
 def test_bad_prompts_are_rejected_and_nothing_leaks(tiny_llm):
     engine = tiny_llm.engine
-    with pytest.raises(ValueError, match="^prompt: must not be empty"):
+    with pytest.raises(ValueError, match=r"^prompt: must not be empty"):
         tiny_llm.generate([""])
-    with pytest.raises(ValueError, match="^prompt: must not be empty"):
+    with pytest.raises(ValueError, match=r"^prompt: must not be empty"):
         tiny_llm.generate([[]])
-    with pytest.raises(ValueError, match="^prompt: 300 tokens leave no room"):
+    with pytest.raises(ValueError, match=r"^prompt: 300 tokens leave no room"):
         tiny_llm.generate([[5] * 300])
     with pytest.raises(ValueError, match=r"^prompt: token ids must be integers in \[0, 49152\)"):
         tiny_llm.generate([[1, 2, 10**9]])
@@ -76,7 +76,7 @@ def test_bad_prompts_are_rejected_and_nothing_leaks(tiny_llm):
 
 def test_request_that_never_fits_is_rejected_at_submission():
     llm = LLM(model="random:tiny", dtype="float32", num_kv_blocks=4, block_size=16)
-    with pytest.raises(ValueError, match="^prompt: this request needs up to 7 KV blocks"):
+    with pytest.raises(ValueError, match=r"^prompt: this request needs up to 7 KV blocks"):
         llm.generate([[1] * 90], SamplingParams(max_tokens=10))
     # Fits when it asks for fewer tokens.
     out = llm.generate([[1] * 40], SamplingParams(max_tokens=8, ignore_eos=True))[0]
