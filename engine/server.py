@@ -32,25 +32,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine import server_streams
 from engine.server_protocol import (
-    SSE_DONE,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
-    chat_chunk,
     chat_messages,
     chat_response,
-    completion_chunk,
     completion_prompt,
     completion_response,
     error_body,
-    field_of,
     from_validation_error,
     sampling_params,
-    sse,
     usage,
-    usage_chunk,
 )
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -196,11 +191,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         model = state.resolve_model(req.model)
         prompt = completion_prompt(req)
         params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens)
-        stream = _submit(service, prompt, params, f"cmpl-{uuid.uuid4().hex}")
+        stream = server_streams.submit(service, prompt, params, f"cmpl-{uuid.uuid4().hex}")
         if req.stream:
-            events = _completion_events(service, stream, model, req.include_usage)
+            events = server_streams.completion_events(service, stream, model, req.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        last = await _collect(service, stream, request)
+        last = await server_streams.collect(service, stream, request)
         n_out = len(last.token_ids)
         return JSONResponse(
             completion_response(
@@ -229,11 +224,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if max_tokens is None:  # OpenAI: up to the context length
             max_tokens = max(1, _max_model_len(service) - len(prompt_ids))
         params = sampling_params(req, max_tokens)
-        stream = _submit(service, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}")
+        stream = server_streams.submit(service, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}")
         if req.stream:
-            events = _chat_events(service, stream, model, req.include_usage)
+            events = server_streams.chat_events(service, stream, model, req.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        last = await _collect(service, stream, request)
+        last = await server_streams.collect(service, stream, request)
         return JSONResponse(
             chat_response(
                 stream.request_id,
@@ -260,115 +255,6 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "root": state.service.config.model,
         "max_model_len": _max_model_len(state.service),
     }
-
-
-def _submit(service: Any, prompt: str | list[int], params: Any, request_id: str) -> Any:
-    try:
-        return service.submit(prompt, params, request_id=request_id)
-    except ValueError as e:  # empty / too long prompt, never fits the KV cache, ...
-        message = str(e)
-        raise bad_request(message, param=field_of(message) or "prompt") from None
-    except RuntimeError as e:  # the engine is shutting down
-        raise APIError(503, str(e), type="service_unavailable") from None
-
-
-async def _collect(service: Any, stream: Any, request: Request) -> Any:
-    """The final RequestOutput; aborts the request if the client disconnects first."""
-
-    async def drain() -> Any:
-        last = None
-        async for out in stream:
-            last = out
-        return last
-
-    async def disconnected() -> None:
-        # The body has been read: the next ASGI message is the disconnect.
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(drain())
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():  # client gone (or this handler cancelled): free the blocks
-            service.abort(stream.request_id)
-            work.cancel()
-    last = work.result()
-    if not getattr(service, "is_running", True):
-        raise APIError(503, "the server is shutting down", type="service_unavailable")
-    if last is None or last.error:
-        detail = last.error if last is not None else "no output"
-        raise APIError(500, f"the engine failed the request: {detail}", type="internal_error")
-    if last.finish_reason == "abort":
-        raise APIError(503, "the request was aborted (server shutting down?)", type="aborted")
-    return last
-
-
-async def _relay(service: Any, stream: Any) -> AsyncIterator[Any]:
-    """The stream's deltas; aborts the request when the consumer stops early (disconnect)."""
-    finished = False
-    try:
-        async for out in stream:
-            finished = out.finished
-            yield out
-    finally:
-        if not finished:
-            service.abort(stream.request_id)
-
-
-def _stream_error(out: Any) -> str:
-    body = error_body(f"the engine failed the request: {out.error}", type="internal_error")
-    return sse(body)
-
-
-async def _completion_events(
-    service: Any, stream: Any, model: str, include_usage: bool
-) -> AsyncIterator[str]:
-    rid = stream.request_id
-    last = None
-    async for out in _relay(service, stream):
-        if out.error:
-            yield _stream_error(out)
-            return
-        last = out
-        if out.new_text or out.finished:
-            chunk = completion_chunk(rid, model, out.new_text, out.finish_reason)
-            if include_usage:
-                chunk["usage"] = None
-            yield sse(chunk)
-    if include_usage and last is not None:
-        u = usage(len(last.prompt_token_ids), len(last.token_ids))
-        yield sse(usage_chunk(rid, model, "text_completion", u))
-    yield SSE_DONE
-
-
-async def _chat_events(
-    service: Any, stream: Any, model: str, include_usage: bool
-) -> AsyncIterator[str]:
-    rid = stream.request_id
-
-    def chunk(delta: dict[str, Any], finish_reason: str | None) -> str:
-        c = chat_chunk(rid, model, delta, finish_reason)
-        if include_usage:
-            c["usage"] = None
-        return sse(c)
-
-    yield chunk({"role": "assistant", "content": ""}, None)
-    last = None
-    async for out in _relay(service, stream):
-        if out.error:
-            yield _stream_error(out)
-            return
-        last = out
-        if out.new_text or out.finished:
-            delta = {"content": out.new_text} if out.new_text else {}
-            yield chunk(delta, out.finish_reason)
-    if include_usage and last is not None:
-        u = usage(len(last.prompt_token_ids), len(last.token_ids))
-        yield sse(usage_chunk(rid, model, "chat.completion.chunk", u))
-    yield SSE_DONE
 
 
 # --- running it ------------------------------------------------------------------------------
