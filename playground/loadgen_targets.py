@@ -55,7 +55,7 @@ class EngineTarget:
                 ignore_eos=spec.ignore_eos,
             )
             stream = self.service.submit(request.prompt, params)
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:  # bad input, or the engine shutting down
             result.error = f"rejected: {e}"
             result.end_time = time.perf_counter()
             return result
