@@ -16,6 +16,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
+from engine.cuda_graphs import CudaGraphRunner
 from engine.detokenizer import token_slice
 from engine.model_loader import ModelSource, iter_safetensors
 from engine.models.llama import LlamaForCausalLM
@@ -78,6 +79,12 @@ class ModelRunner:
         ]
         self._generators: dict[str, torch.Generator] = {}
         self._seed_rng = random.Random(config.seed)
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager:
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.kv_caches, config.max_num_seqs, max_model_len, self.block_size
+            )
+            self.graph_runner.capture()
 
     # --- set-up ---
     def _resolve_backend(self, backend: str) -> str:
@@ -155,14 +162,20 @@ class ModelRunner:
             table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         dev = self.device
-        meta = self._build_metadata(decodes, prefills, torch.tensor(slots, device=dev))
         with torch.inference_mode():
-            hidden = self.model(
-                torch.tensor(input_ids, device=dev),
-                torch.tensor(positions, device=dev),
-                self.kv_caches,
-                meta,
-            )
+            if not prefills and self.graph_runner and self.graph_runner.can_run(len(decodes)):
+                hidden = self.graph_runner.run(
+                    input_ids, positions, slots, [s.block_table for s in decodes],
+                    [s.request.num_computed_tokens + 1 for s in decodes],
+                )  # fmt: skip
+            else:
+                meta = self._build_metadata(decodes, prefills, torch.tensor(slots, device=dev))
+                hidden = self.model(
+                    torch.tensor(input_ids, device=dev),
+                    torch.tensor(positions, device=dev),
+                    self.kv_caches,
+                    meta,
+                )
             # Only the last token of each request that reached its end is turned into logits.
             rows, samplers = [], []
             offset = 0
