@@ -1,0 +1,63 @@
+"""What the UI needs to know about the loaded engine that EngineService does not expose yet.
+
+EngineService offers submit / stats / snapshots, but not the model's shape, the resolved
+device or the weight dtype. The roofline and the KV calculator need them, so this is the one
+place the playground reads them off `service.engine` (plain attributes, no tensors). When the
+service grows a public accessor, only this file changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.device_ceilings import dtype_name
+from engine.metrics import ModelShape
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    device: str  # "cpu" or "cuda" (resolved, never "auto")
+    dtype: str  # "bfloat16", "float32", ...
+    shape: ModelShape
+    max_model_len: int  # tokens
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int
+    kv_cache_bytes: int  # bytes of the allocated K and V tensors
+    batching: str  # "continuous" | "static"
+    kv_layout: str  # "paged" | "contiguous"
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+def engine_info(service: Any) -> EngineInfo:
+    engine = service.engine
+    runner = engine.runner
+    stats = service.stats()
+    config = service.config
+    return EngineInfo(
+        model_name=service.model_name,
+        device=str(runner.device.type),
+        dtype=dtype_name(runner.dtype),
+        shape=engine.shape,
+        max_model_len=service.max_model_len,
+        block_size=stats.block_size,
+        num_kv_blocks=stats.num_kv_blocks,
+        kv_cache_bytes=stats.kv_cache_bytes,
+        batching=config.batching,
+        kv_layout=config.kv_layout,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+
+
+def describe(info: EngineInfo) -> str:
+    """One line for page headers: model, device, dtype, KV pool, scheduling."""
+    return (
+        f"**{info.model_name}** on {info.device} ({info.dtype}) · KV pool "
+        f"{info.num_kv_blocks} blocks x {info.block_size} tokens ({info.kv_layout}) · "
+        f"{info.batching} batching, max_num_seqs {info.max_num_seqs}, "
+        f"max_num_batched_tokens {info.max_num_batched_tokens}, max_model_len "
+        f"{info.max_model_len}"
+    )
