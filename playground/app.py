@@ -1,0 +1,93 @@
+"""The playground: one gr.Blocks with a tab per concept, over one EngineService.
+
+demo = build_app(service)
+launch(demo, host="127.0.0.1", port=7860)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from playground.context import AppContext
+from playground.engine_info import describe
+from playground.tabs import chat, compare, engine_live, kv_calculator, latency, load_test, roofline
+
+CSS_PATH = Path(__file__).with_name("theme.css")
+
+# (tab label, module, elem_id): the order they appear in.
+TABS = (
+    ("Chat", chat, "tab-chat"),
+    ("Engine (live)", engine_live, "tab-engine"),
+    ("Roofline", roofline, "tab-roofline"),
+    ("Latency", latency, "tab-latency"),
+    ("Load test", load_test, "tab-loadtest"),
+    ("Compare", compare, "tab-compare"),
+    ("KV calculator", kv_calculator, "tab-kv"),
+)
+
+
+def build_app(
+    service: Any, *, make_service: Callable[[Any], Any] | None = None, title: str | None = None
+) -> gr.Blocks:
+    """The whole UI over `service` (an EngineService). make_service builds the Compare tab's
+    engines from an EngineConfig (default: EngineService)."""
+    extra = {"make_service": make_service} if make_service is not None else {}
+    ctx = AppContext.for_service(service, **extra)
+    with gr.Blocks(title=title or "Inference playground", analytics_enabled=False) as demo:
+        gr.Markdown(f"# Inference playground\n{describe(ctx.info)}", elem_id="header")
+        uis = []
+        with gr.Tabs():
+            for label, module, elem_id in TABS:
+                with gr.Tab(label, elem_id=elem_id) as tab:
+                    ui = module.create_ui(ctx)
+                ui.tab = tab
+                uis.append((module, ui))
+        for module, ui in uis:
+            module.create_event_handlers(ui, ctx)
+        _timers_follow_tabs([ui for _, ui in uis])
+    demo.queue(default_concurrency_limit=2)
+    demo.playground_context = ctx  # for tests and app.py
+    return demo
+
+
+def _timers_follow_tabs(uis: list[Any]) -> None:
+    """Only the open tab's timer ticks: a tab in the background costs the engine nothing."""
+    timers = [ui.timer for ui in uis if hasattr(ui, "timer")]
+
+    def activate(own: gr.Timer | None) -> Callable[[], list[gr.Timer]]:
+        return lambda: [gr.Timer(active=t is own) for t in timers]
+
+    for ui in uis:
+        ui.tab.select(
+            activate(getattr(ui, "timer", None)),
+            None,
+            timers,
+            api_visibility="private",
+            concurrency_limit=None,
+            show_progress="hidden",
+        )
+
+
+def launch(
+    demo: gr.Blocks,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    share: bool = False,
+    block: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """demo.launch with the playground's CSS; no public share link unless asked."""
+    return demo.launch(
+        server_name=host,
+        server_port=port,
+        share=share,
+        prevent_thread_lock=not block,
+        css_paths=[CSS_PATH],
+        show_error=False,
+        quiet=not block,
+        **kwargs,
+    )

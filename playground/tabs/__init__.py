@@ -1,0 +1,2 @@
+"""One file per tab: create_ui() builds the layout, create_event_handlers() wires it to the
+logic in playground/handlers_*.py. Tabs reach the engine only through AppContext.service."""

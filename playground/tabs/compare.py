@@ -1,0 +1,225 @@
+"""Compare tab: the same seeded workload on two engine configurations, each in its own engine
+instance, one after the other; results side by side, overlaid charts, both peak block maps."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import gradio as gr
+
+from playground.context import AppContext
+from playground.figures_blocks import block_map_figure
+from playground.figures_latency import cdf_figure, output_rate_figure, requests_per_step_figure
+from playground.figures_style import empty_figure
+from playground.handlers_compare import (
+    BLOCK_SIZES,
+    COMPARE_HEADERS,
+    DEFAULT_COMPARE_WORKLOAD,
+    DEFAULT_KV_BUDGET_TOKENS,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_PRESET,
+    PRESETS,
+    SIDE_FIELDS,
+    BackgroundCompare,
+    SideOutcome,
+    compare_rows,
+    preset_sides,
+    side_config,
+    side_label,
+)
+from playground.handlers_loadtest import progress_html, spec_from_form
+from playground.loadgen import build_requests
+from playground.tabs.workload_form import workload_form
+
+POLL_S = 0.5
+WORKLOAD_FIELDS = (
+    "num_prompts",
+    "seed",
+    "arrival",
+    "request_rate",
+    "input_kind",
+    "input_mean",
+    "input_low",
+    "input_high",
+    "input_std",
+    "output_kind",
+    "output_mean",
+    "output_low",
+    "output_high",
+    "output_std",
+)
+
+
+def _side_form(name: str, values: dict) -> dict:
+    parts = {}
+    gr.Markdown(f"### Side {name}")
+    parts["batching"] = gr.Radio(
+        ["static", "continuous"], value=values["batching"], label="Batching"
+    )
+    parts["kv_layout"] = gr.Radio(
+        ["contiguous", "paged"], value=values["kv_layout"], label="KV layout"
+    )
+    parts["block_size"] = gr.Dropdown(
+        list(BLOCK_SIZES), value=values["block_size"], label="Block size (tokens)"
+    )
+    parts["max_num_seqs"] = gr.Number(values["max_num_seqs"], label="max_num_seqs", precision=0)
+    parts["max_num_batched_tokens"] = gr.Number(
+        values["max_num_batched_tokens"],
+        label="max_num_batched_tokens (token budget per step)",
+        precision=0,
+    )
+    return {f: parts[f] for f in SIDE_FIELDS}
+
+
+def create_ui(ctx: AppContext) -> SimpleNamespace:
+    ui = SimpleNamespace()
+    a, b = preset_sides(DEFAULT_PRESET)
+    gr.Markdown(
+        "Runs the same seeded requests on two engines that differ only in the fields below "
+        f"(same model {ctx.info.model_name}, same dtype, same KV budget in tokens), one after "
+        "the other, each in its own engine instance that is shut down after. The main engine "
+        "keeps serving Chat meanwhile."
+    )
+    with gr.Row():
+        ui.preset = gr.Dropdown(list(PRESETS), value=DEFAULT_PRESET, label="Preset", scale=2)
+        ui.kv_budget = gr.Number(
+            DEFAULT_KV_BUDGET_TOKENS, label="KV budget (tokens, both sides)", precision=0, scale=1
+        )
+        ui.max_model_len = gr.Number(
+            DEFAULT_MAX_MODEL_LEN, label="max_model_len", precision=0, scale=1
+        )
+    with gr.Row():
+        with gr.Column():
+            ui.side_a = _side_form("A", a)
+        with gr.Column():
+            ui.side_b = _side_form("B", b)
+        with gr.Column(scale=2):
+            gr.Markdown("### Workload (both sides)")
+            ui.form = workload_form(DEFAULT_COMPARE_WORKLOAD, WORKLOAD_FIELDS)
+    with gr.Row():
+        ui.run = gr.Button("Run compare", variant="primary", elem_id="compare-run")
+        ui.stop = gr.Button("Stop", variant="stop")
+    ui.progress = gr.HTML(progress_html(0, 0, 0.0, "not started"), elem_id="compare-progress")
+    ui.status = gr.Markdown("Pick a preset and press **Run compare**.", elem_id="compare-status")
+    ui.results = gr.Dataframe(
+        headers=COMPARE_HEADERS,
+        label="Side by side",
+        interactive=False,
+        elem_id="compare-results",
+        max_height=900,
+    )
+    ui.cdfs = gr.Plot(show_label=False, label="Latency CDFs, A vs B")
+    with gr.Row():
+        ui.rate = gr.Plot(show_label=False, label="Output tokens/s over time")
+        ui.batch = gr.Plot(show_label=False, label="Requests per engine step")
+    with gr.Row():
+        ui.map_a = gr.Plot(
+            show_label=False, label="Block map of A at its peak", elem_id="compare-map-a"
+        )
+        ui.map_b = gr.Plot(
+            show_label=False, label="Block map of B at its peak", elem_id="compare-map-b"
+        )
+    return ui
+
+
+def _figures(outcomes: list[SideOutcome]) -> tuple:
+    runs = {o.label: o for o in outcomes if o.result is not None}
+    metrics = {
+        name: {o.label: [v * 1e3 for v in vals(o) if v is not None] for o in runs.values()}
+        for name, vals in (
+            ("TTFT", lambda o: [r.ttft_s for r in o.result.per_request if r.success]),
+            ("TPOT", lambda o: [r.tpot_s for r in o.result.per_request if r.success]),
+            ("E2E latency", lambda o: [r.e2e_s for r in o.result.per_request if r.success]),
+        )
+    }
+    rate = output_rate_figure(
+        {k: (o.result.start_time, o.result.per_request) for k, o in runs.items()},
+        bin_s=0.5,
+        title="Output tokens/s seen by the client",
+    )
+    batch = requests_per_step_figure(
+        {k: (o.result.start_time, o.steps) for k, o in runs.items()}, "Requests per engine step"
+    )
+    maps = [
+        block_map_figure(o.peak, f"{o.label} at peak") if o.peak else empty_figure(o.error or "")
+        for o in outcomes
+    ]
+    return cdf_figure(metrics, "Latency CDFs, A vs B"), rate, batch, *maps
+
+
+def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
+    names = list(ui.form)
+    current: dict[str, BackgroundCompare | None] = {"run": None}
+
+    def apply_preset(name):
+        a, b = preset_sides(name)
+        return [a[f] for f in SIDE_FIELDS] + [b[f] for f in SIDE_FIELDS]
+
+    async def run_compare(kv_budget, max_model_len, *values):
+        n = len(SIDE_FIELDS)
+        skip = gr.skip()
+        side_a = dict(zip(SIDE_FIELDS, values[:n], strict=True))
+        side_b = dict(zip(SIDE_FIELDS, values[n : 2 * n], strict=True))
+        workload = dict(zip(names, values[2 * n :], strict=True))
+        try:
+            spec = spec_from_form(workload, int(max_model_len or 0) or None)
+            base = ctx.service.config
+            cfg_a = side_config(base, side_a, kv_budget, max_model_len)
+            cfg_b = side_config(base, side_b, kv_budget, max_model_len)
+            requests = build_requests(spec, ctx.service.tokenizer)
+        except ValueError as e:
+            gr.Warning(str(e))
+            yield (skip, f"**Not started:** {e}", *[skip] * 6)
+            return
+        sides = [
+            ("A", side_label("A", side_a, side_b), cfg_a),
+            ("B", side_label("B", side_b, side_a), cfg_b),
+        ]
+        cmp = BackgroundCompare(spec, sides, requests, ctx.make_service).start()
+        current["run"] = cmp
+        try:
+            while not cmp.done.is_set():
+                run = cmp.current
+                done = len(run.results) if run else 0
+                elapsed = run.elapsed_s if run else 0.0
+                yield (progress_html(done, len(requests), elapsed, cmp.phase), skip, *[skip] * 6)
+                await asyncio.to_thread(cmp.done.wait, POLL_S)
+        finally:
+            if not cmp.done.is_set():
+                cmp.stop()
+            current["run"] = None
+        a, b = cmp.outcomes
+        errors = [f"{o.label}: {o.error}" for o in cmp.outcomes if o.error]
+        status = (
+            f"**Done.** A = {a.label[3:]}, B = {b.label[3:]}. Ratios are B / A; 'better' "
+            "says which side wins on that row."
+        )
+        if errors:
+            status += "\n\n**Problems:** " + "; ".join(errors)
+        figures = await asyncio.to_thread(_figures, cmp.outcomes)
+        rows = compare_rows(a, b)
+        elapsed = sum(o.result.duration_s for o in cmp.outcomes if o.result)
+        done_html = progress_html(len(requests), len(requests), elapsed, "done (both runs)")
+        yield (done_html, status, rows, *figures)
+
+    def stop() -> str:
+        cmp = current["run"]
+        if cmp is None:
+            return "No compare is running."
+        cmp.stop()
+        return "Stopping the compare..."
+
+    side_inputs = [*ui.side_a.values(), *ui.side_b.values()]
+    ui.preset.change(apply_preset, ui.preset, side_inputs, api_visibility="private")
+    outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate, ui.batch, ui.map_a, ui.map_b]
+    ui.run.click(
+        run_compare,
+        [ui.kv_budget, ui.max_model_len, *side_inputs, *ui.form.values()],
+        outputs,
+        api_name="compare",
+        concurrency_limit=1,
+        concurrency_id="benchmark",
+        show_progress="hidden",
+    )
+    ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_compare")

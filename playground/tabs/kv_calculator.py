@@ -1,0 +1,99 @@
+"""KV calculator tab: the KV-cache formula with model presets and MHA / GQA / MQA variants, a
+table over batch sizes and context lengths, memory bars against a GPU, and the loaded engine's
+real allocation beside the formula."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gradio as gr
+
+from playground.context import AppContext
+from playground.figures_kv import memory_bars_figure
+from playground.handlers_kv import (
+    BYTES_PER_ELEMENT,
+    GPU_MEMORY_GB,
+    LOADED_MODEL,
+    VARIANTS,
+    engine_pool_markdown,
+    formula_markdown,
+    parse_inputs,
+    preset_names,
+    table_rows,
+)
+
+
+def create_ui(ctx: AppContext) -> SimpleNamespace:
+    ui = SimpleNamespace()
+    with gr.Row():
+        with gr.Column(scale=1, min_width=280):
+            ui.model = gr.Dropdown(preset_names(), value="Llama-3-8B (GQA)", label="Model")
+            ui.variant = gr.Radio(list(VARIANTS), value="as the model", label="Attention")
+            ui.seq_len = gr.Number(4096, label="Context length (tokens per request)", precision=0)
+            ui.batch = gr.Number(32, label="Batch size (concurrent requests)", precision=0)
+            ui.kv_dtype = gr.Dropdown(
+                list(BYTES_PER_ELEMENT), value="bf16 / fp16 (2 B)", label="KV cache element"
+            )
+            ui.weight_dtype = gr.Dropdown(
+                list(BYTES_PER_ELEMENT), value="bf16 / fp16 (2 B)", label="Weight element"
+            )
+            ui.gpu = gr.Dropdown(list(GPU_MEMORY_GB), value="H100 SXM 80GB", label="GPU")
+            ui.fraction = gr.Slider(
+                0.5, 1.0, 0.9, step=0.01, label="Memory fraction for weights + KV"
+            )
+        with gr.Column(scale=2):
+            ui.formula = gr.Markdown(elem_id="kv-formula")
+            ui.bars = gr.Plot(show_label=False, label="Weights + KV against GPU memory")
+    ui.table = gr.Dataframe(
+        label="KV cache in GB (✗: weights + KV exceed the usable memory)",
+        interactive=False,
+        elem_id="kv-table",
+    )
+    ui.engine = gr.Markdown(elem_id="kv-engine")
+    return ui
+
+
+def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
+    def compute(model, variant, seq_len, batch, kv_dtype, weight_dtype, gpu, fraction):
+        try:
+            x = parse_inputs(
+                model, variant, seq_len, batch, kv_dtype, weight_dtype, gpu, fraction, ctx.info
+            )
+        except ValueError as e:
+            gr.Warning(str(e))
+            return f"**Check the form:** {e}", gr.skip(), gr.skip(), gr.skip()
+        headers, rows = table_rows(x)
+        engine_md = engine_pool_markdown(ctx.info, x.seq_len)
+        if model != LOADED_MODEL:
+            engine_md = (
+                f"Pick **{LOADED_MODEL}** to put this engine's real KV pool beside the formula."
+                f"\n\n{engine_md}"
+            )
+        return (
+            f"#### {x.preset.name}\n\n{formula_markdown(x)}",
+            memory_bars_figure(x),
+            gr.Dataframe(value=rows, headers=headers),
+            engine_md,
+        )
+
+    inputs = [
+        ui.model,
+        ui.variant,
+        ui.seq_len,
+        ui.batch,
+        ui.kv_dtype,
+        ui.weight_dtype,
+        ui.gpu,
+        ui.fraction,
+    ]
+    outputs = [ui.formula, ui.bars, ui.table, ui.engine]
+    for component in inputs:
+        component.change(
+            compute,
+            inputs,
+            outputs,
+            api_visibility="private",
+            trigger_mode="always_last",
+            concurrency_limit=4,
+        )
+    ui.tab.select(compute, inputs, outputs, api_name="kv_calc", concurrency_limit=4)

@@ -1,0 +1,167 @@
+"""Load test tab: a seeded workload against the running engine (chat keeps working), with live
+charts, a `vllm bench serve`-style results table, a per-request timeline and a JSON download."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import gradio as gr
+
+from playground.context import AppContext
+from playground.figures_latency import (
+    gantt_figure,
+    nice_bin_s,
+    queue_depth_figure,
+    throughput_figure,
+)
+from playground.handlers_loadtest import (
+    DEFAULT_WORKLOAD,
+    WORKLOAD_FIELDS,
+    BackgroundRun,
+    progress_html,
+    spec_from_form,
+    summary_rows,
+    write_result_json,
+)
+from playground.loadgen import EngineTarget
+from playground.tabs.workload_form import workload_form
+
+POLL_S = 0.5  # how often the run's progress reaches the page
+
+
+def create_ui(ctx: AppContext) -> SimpleNamespace:
+    ui = SimpleNamespace()
+    with gr.Row():
+        with gr.Column(scale=2, min_width=360):
+            gr.Markdown(
+                "Sends a seeded workload to the engine that is serving Chat right now "
+                "(in-process, through the same load generator as `python -m playground.loadgen`"
+                "). Chat and the live tabs keep working during the run."
+            )
+            ui.form = workload_form(DEFAULT_WORKLOAD, WORKLOAD_FIELDS)
+            with gr.Row():
+                ui.run = gr.Button("Run load test", variant="primary", elem_id="loadtest-run")
+                ui.stop = gr.Button("Stop", variant="stop")
+        with gr.Column(scale=3):
+            ui.progress = gr.HTML(
+                progress_html(0, 0, 0.0, "not started"), elem_id="loadtest-progress"
+            )
+            ui.status = gr.Markdown(
+                "Set a workload and press **Run load test**.", elem_id="loadtest-status"
+            )
+            with gr.Row():
+                ui.live_throughput = gr.Plot(
+                    show_label=False, label="Engine tokens/s during the run"
+                )
+                ui.live_queue = gr.Plot(show_label=False, label="Running / waiting requests")
+            ui.results = gr.Dataframe(
+                headers=["metric", "value"],
+                label="Serving benchmark result",
+                interactive=False,
+                elem_id="loadtest-results",
+                max_height=900,
+            )
+            ui.download = gr.DownloadButton("Download results (JSON)", visible=False)
+    ui.gantt = gr.Plot(show_label=False, label="Per-request timeline", elem_id="loadtest-gantt")
+    return ui
+
+
+def _live(ctx: AppContext, run: BackgroundRun) -> tuple:
+    """Progress bar, charts and the timeline so far (built off the event loop)."""
+    steps = ctx.service.stats().steps
+    bin_s = nice_bin_s(run.elapsed_s, 30)
+    t0 = run.start_time
+    return (
+        progress_html(len(run.results), run.total, run.elapsed_s),
+        throughput_figure(
+            steps,
+            t0,
+            bin_s,
+            "Engine tokens/s (all requests, chat included)",
+            x_title="seconds since the test started",
+        ),
+        queue_depth_figure(steps, t0, "Running and waiting requests"),
+        gantt_figure(run.results, t0, "Per-request timeline: queue, prefill, decode"),
+    )
+
+
+def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
+    names = list(ui.form)
+    current: dict[str, BackgroundRun | None] = {"run": None}
+
+    async def run_test(*values):
+        skip = gr.skip()
+        try:
+            spec = spec_from_form(dict(zip(names, values, strict=True)), ctx.info.max_model_len)
+        except ValueError as e:
+            gr.Warning(str(e))
+            yield skip, f"**Not started:** {e}", skip, skip, skip, skip, skip
+            return
+        run = BackgroundRun(spec, EngineTarget(ctx.service)).start()
+        current["run"] = run
+        status = f"Running {spec.num_prompts} requests against {ctx.info.model_name}..."
+        hidden = gr.DownloadButton(visible=False)
+        try:
+            while not run.done.is_set():
+                progress, tput, queue, gantt = await asyncio.to_thread(_live, ctx, run)
+                yield progress, status, tput, queue, gantt, skip, hidden
+                await asyncio.to_thread(run.done.wait, POLL_S)
+        finally:  # the page went away mid-run: stop rather than load the engine unseen
+            if not run.done.is_set():
+                run.stop()
+            current["run"] = None
+        if run.error or run.result is None:
+            msg = f"**The load test failed:** {run.error or 'no result'}"
+            yield skip, msg, skip, skip, skip, skip, hidden
+            return
+        result = run.result
+        summary = result.summary()
+        progress, tput, queue, _ = await asyncio.to_thread(_live, ctx, run)
+        gantt = gantt_figure(
+            result.per_request, result.start_time, "Per-request timeline: queue, prefill, decode"
+        )
+        note = "stopped early; the table covers the requests that finished. " if run.stopped else ""
+        status = (
+            f"**Done** in {result.duration_s:.1f} s: {summary['completed']} succeeded, "
+            f"{summary['failed']} failed. {note}Latencies are measured by the client (send -> "
+            "first token -> last token), as `vllm bench serve` does."
+        )
+        path = await asyncio.to_thread(write_result_json, result)
+        yield (
+            progress,
+            status,
+            tput,
+            queue,
+            gantt,
+            summary_rows(summary),
+            gr.DownloadButton(value=path, visible=True),
+        )
+
+    def stop() -> str:
+        run = current["run"]
+        if run is None:
+            return "No load test is running."
+        run.stop()
+        return "Stopping: requests in flight are aborted; finished ones are kept."
+
+    outputs = [
+        ui.progress,
+        ui.status,
+        ui.live_throughput,
+        ui.live_queue,
+        ui.gantt,
+        ui.results,
+        ui.download,
+    ]
+    # One benchmark at a time (load test or compare): they would skew each other's numbers.
+    ui.run.click(
+        run_test,
+        list(ui.form.values()),
+        outputs,
+        api_name="load_test",
+        concurrency_limit=1,
+        concurrency_id="benchmark",
+        show_progress="hidden",
+    )
+    ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_load_test")

@@ -1,0 +1,71 @@
+"""Roofline tab: this device's measured roof (or a datasheet preset) on log-log axes with the
+engine's recent steps as points."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gradio as gr
+
+from playground.context import AppContext
+from playground.handlers_roofline import HOW_TO_READ, MEASURED, roof_choices, roofline_view
+
+REFRESH_S = 2.0
+
+
+def create_ui(ctx: AppContext) -> SimpleNamespace:
+    ui = SimpleNamespace()
+    with gr.Row():
+        ui.roof = gr.Dropdown(roof_choices(), value=MEASURED, label="Roof", scale=2)
+        ui.refresh = gr.Button("Refresh points", scale=1)
+        ui.remeasure = gr.Button("Re-measure this device", scale=1)
+        ui.auto = gr.Checkbox(True, label="Auto-refresh (2 s)", scale=1)
+    ui.figure = gr.Plot(show_label=False, label="Roofline", elem_id="roofline-plot")
+    ui.caption = gr.Markdown(
+        "Open this tab to measure this device's ceilings (a few seconds, once; cached on "
+        f"disk).\n\n{HOW_TO_READ}",
+        elem_id="roofline-caption",
+    )
+    ui.timer = gr.Timer(REFRESH_S, active=False)
+    ui.num_steps = gr.State(None)
+    return ui
+
+
+def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
+    dtype = ctx.info.dtype
+
+    def draw(choice, last_num_steps=None, auto=True, remeasure=False, force=True):
+        if not auto and not force:
+            return gr.skip(), gr.skip(), gr.skip()
+        stats = ctx.service.stats()
+        if not force and stats.num_steps_total == last_num_steps:
+            return gr.skip(), gr.skip(), gr.skip()
+        try:
+            if remeasure:
+                ctx.ceilings.measured(refresh=True)
+            fig, caption = roofline_view(ctx.ceilings, choice, dtype, stats.steps)
+        except (ValueError, KeyError, RuntimeError) as e:
+            gr.Warning(f"Roofline: {e}")
+            return gr.skip(), f"**Could not draw the roofline:** {e}", last_num_steps
+        return fig, caption, stats.num_steps_total
+
+    def tick(choice, last_num_steps, auto):
+        return draw(choice, last_num_steps, auto, force=False)
+
+    def remeasure(choice, last_num_steps):
+        return draw(choice, last_num_steps, remeasure=True)
+
+    outputs = [ui.figure, ui.caption, ui.num_steps]
+    common = {"concurrency_id": "roofline", "concurrency_limit": 2, "show_progress": "minimal"}
+    ui.refresh.click(draw, [ui.roof, ui.num_steps], outputs, api_name="roofline", **common)
+    ui.roof.change(draw, [ui.roof, ui.num_steps], outputs, api_visibility="private", **common)
+    ui.remeasure.click(remeasure, [ui.roof, ui.num_steps], outputs, api_name="remeasure", **common)
+    ui.tab.select(draw, [ui.roof, ui.num_steps], outputs, api_visibility="private", **common)
+    ui.timer.tick(
+        tick,
+        [ui.roof, ui.num_steps, ui.auto],
+        outputs,
+        trigger_mode="once",
+        api_visibility="undocumented",
+        **{**common, "show_progress": "hidden"},
+    )
