@@ -46,9 +46,9 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             ui.system_prompt = gr.Textbox(DEFAULT_SYSTEM_PROMPT, label="System prompt", lines=3)
             ui.temperature = gr.Slider(0.0, 2.0, 0.7, step=0.05, label="Temperature (0 = greedy)")
             ui.top_p = gr.Slider(0.05, 1.0, 0.95, step=0.05, label="Top-p")
-            ui.top_k = gr.Number(0, label="Top-k (0 = off)", precision=0, minimum=0)
+            ui.top_k = gr.Number(0, label="Top-k (0 = off)", precision=0)
             ui.max_tokens = gr.Slider(1, 1024, 256, step=1, label="Max new tokens")
-            ui.seed = gr.Number(-1, label="Seed (-1 = random)", precision=0, minimum=-1)
+            ui.seed = gr.Number(-1, label="Seed (-1 = random)", precision=0)
             ui.clear = gr.Button("Clear conversation")
             gr.Markdown(
                 "Under each reply: **TTFT** (time to first token, from arrival in the engine), "

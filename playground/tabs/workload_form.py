@@ -35,17 +35,16 @@ def workload_form(defaults: Mapping[str, Any], fields: Sequence[str]) -> dict[st
     parts: dict[str, Any] = {}
     with gr.Row():
         parts["num_prompts"] = gr.Number(
-            d["num_prompts"], label="Requests", precision=0, minimum=1, min_width=90
+            d["num_prompts"], label="Requests", precision=0, min_width=90
         )
         if "max_concurrency" in fields:
             parts["max_concurrency"] = gr.Number(
                 d["max_concurrency"],
                 label="Max concurrency (0 = no limit)",
                 precision=0,
-                minimum=0,
                 min_width=90,
             )
-        parts["seed"] = gr.Number(d["seed"], label="Seed", precision=0, minimum=0, min_width=90)
+        parts["seed"] = gr.Number(d["seed"], label="Seed", precision=0, min_width=90)
     with gr.Row():
         parts["arrival"] = gr.Radio(list(ARRIVALS), value=d["arrival"], label="Arrivals")
     with gr.Row():
@@ -66,11 +65,8 @@ def workload_form(defaults: Mapping[str, Any], fields: Sequence[str]) -> dict[st
                 d["prefix_len"],
                 label="Shared system-prompt prefix (tokens)",
                 precision=0,
-                minimum=0,
                 min_width=90,
             )
-            parts["temperature"] = gr.Number(
-                d["temperature"], label="Temperature", minimum=0, min_width=90
-            )
+            parts["temperature"] = gr.Number(d["temperature"], label="Temperature", min_width=90)
             parts["ignore_eos"] = gr.Checkbox(d["ignore_eos"], label="Ignore EOS (exact lengths)")
     return {name: parts[name] for name in fields}

@@ -1,0 +1,442 @@
+"""Playground UI: figure and handler functions (with synthetic snapshots and with a small real
+engine), then the app launched in-process and driven through gradio_client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import time
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.block_manager import BlockSnapshot
+from engine.device_ceilings import PRESETS
+from engine.metrics import StepStats
+from engine.stats import RequestProgress
+from playground.figures_blocks import MAX_CELLS, block_map_figure, build_cells, usage_gauge
+from playground.figures_engine import batch_timeline_figure, queue_html
+from playground.figures_latency import cdf_figure, gantt_figure, throughput_figure
+from playground.figures_roofline import roofline_figure
+from playground.handlers_chat import (
+    ActiveRequests,
+    build_messages,
+    render,
+    sampling_params,
+    stats_line,
+    stream_reply,
+)
+from playground.handlers_compare import SideOutcome, compare_rows, preset_sides, side_config
+from playground.handlers_kv import (
+    LOADED_MODEL,
+    MODEL_PRESETS,
+    engine_pool_markdown,
+    formula_markdown,
+    parse_inputs,
+    table_rows,
+    variant_kv_heads,
+)
+from playground.handlers_latency import latency_view
+from playground.handlers_live import live_view
+from playground.handlers_loadtest import (
+    WORKLOAD_FIELDS,
+    BackgroundRun,
+    spec_from_form,
+    summary_rows,
+)
+from playground.loadgen import EngineTarget, LoadTestResult, RequestResult, WorkloadSpec
+
+# gradio's queue trips pandas 3 deprecations of its own; not ours to fix.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting'"),
+    pytest.mark.filterwarnings("ignore:The copy keyword is deprecated"),
+]
+
+SMALL_ENGINE = {"model": "smollm2-135m", "dtype": "bfloat16", "num_kv_blocks": 256,
+                "max_model_len": 1024}  # fmt: skip
+
+
+def _snapshot(states, owners, filled, refs, block_size=16, layout="paged") -> BlockSnapshot:
+    return BlockSnapshot(len(states), block_size, layout, states, owners, filled, refs)
+
+
+def _step(i: int, kind: str = "decode", batch: int = 4, start: float = 0.0) -> StepStats:
+    prefill = 64 if kind in ("prefill", "mixed") else 0
+    decode = batch if kind in ("decode", "mixed") else 0
+    return StepStats(
+        step_index=i,
+        start_time=start + 0.05 * i,
+        duration_s=0.01,
+        kind=kind,
+        num_prefill_tokens=prefill,
+        num_decode_tokens=decode,
+        num_prefill_reqs=1 if prefill else 0,
+        num_decode_reqs=decode,
+        batch_size=batch,
+        num_running=batch,
+        num_waiting=0,
+        num_preemptions=0,
+        num_blocks_used=8,
+        num_blocks_free=56,
+        num_kv_blocks=64,
+        flops=1e9 * batch,
+        bytes_moved=3e8,
+    )
+
+
+def _result(index: int, t0: float, ok: bool = True) -> RequestResult:
+    r = RequestResult(index, send_time=t0 + 0.1 * index, queue_s=0.02, prompt_tokens=16)
+    if ok:
+        r.first_token_time = r.send_time + 0.2
+        r.token_times = [r.first_token_time + 0.05 * k for k in range(5)]
+        r.end_time = r.token_times[-1]
+        r.output_tokens = 5
+        r.finish_reason = "length"
+    else:
+        r.end_time = r.send_time + 0.01
+        r.error = "rejected: too long"
+    return r
+
+
+# --- figures, synthetic data ------------------------------------------------------------------
+
+
+def test_block_map_colors_owners_and_hover_names_block_request_tokens_refs():
+    snap = _snapshot(
+        ["used", "used", "reserved", "free", "used"],
+        ["req-1", "req-1", "req-1", None, "req-2"],
+        [16, 5, 0, 0, 16],
+        [1, 1, 1, 0, 2],
+        layout="contiguous",
+    )
+    fig = block_map_figure(snap)
+    heat = fig.data[0]
+    assert "4 / 5 blocks held" in fig.layout.title.text
+    assert "block 1<br>state: used<br>request: req-1<br>tokens filled: 5 / 16" in heat.text[0][1]
+    assert "ref count: 2" in heat.text[0][4]
+    names = {t.name for t in fig.data[1:]}
+    assert {"free", "req-1", "req-1 (reserved, empty)", "req-2", "shared (ref count > 1)"} <= names
+    # Same owner, same color for used cells; the reserved one is a different (lighter) color.
+    z = heat.z[0]
+    assert z[0] == z[1] != z[2] and z[3] != z[0]
+
+
+def test_block_map_aggregates_huge_pools():
+    n = MAX_CELLS * 3 + 1
+    snap = _snapshot(["free"] * n, [None] * n, [0] * n, [0] * n)
+    cells, per_cell = build_cells(snap)
+    assert per_cell == 4 and len(cells) == math.ceil(n / 4)
+    assert "one cell = 4 blocks" in block_map_figure(snap).layout.title.text
+
+
+def test_gauge_and_queue_table():
+    assert usage_gauge(64, 256).data[0].value == pytest.approx(25.0)
+    rows = [
+        RequestProgress("req-<b>", "running", 40, 40, 10, 20, 4),
+        RequestProgress("req-9", "waiting", 30, 0, 0, 16, 0),
+    ]
+    html = queue_html(rows)
+    assert "req-&lt;b&gt;" in html and "<b>1</b> running" in html and "10 / 20" in html
+    assert "send a message" in queue_html([]).lower()
+
+
+def test_timeline_cdf_gantt_and_throughput_figures():
+    steps = [_step(0, "prefill", 1), *(_step(i, "decode", 3) for i in range(1, 6))]
+    fig = batch_timeline_figure(steps)
+    assert list(fig.data[0].y) == [64, 0, 0, 0, 0, 0] and list(fig.data[1].y)[1] == 3
+    assert "send a message" in batch_timeline_figure([]).layout.annotations[0].text.lower()
+    cdf = cdf_figure({"TTFT": {"x": [3.0, 1.0, 2.0]}})
+    assert list(cdf.data[0].x) == [1.0, 1.0, 2.0, 3.0] and cdf.data[0].y[-1] == 1.0
+    t0 = 100.0
+    results = [_result(0, t0), _result(1, t0), _result(2, t0, ok=False)]
+    gantt = gantt_figure(results, t0)
+    assert {t.name for t in gantt.data} == {"queue", "prefill", "decode", "failed"}
+    tput = throughput_figure(steps, 0.0, bin_s=1.0)
+    assert sum(tput.data[0].y) == 64 and sum(tput.data[1].y) == 15
+
+
+def test_roofline_points_by_kind_with_fraction_of_roof():
+    ceilings = PRESETS["H100 SXM"]
+    steps = [_step(0, "prefill", 1), _step(1, "decode", 1), _step(2, "decode", 32)]
+    fig = roofline_figure(ceilings, "bfloat16", steps)
+    names = [t.name for t in fig.data]
+    assert names[0].startswith("roof") and "prefill steps" in names and "decode steps" in names
+    decode = next(t for t in fig.data if t.name == "decode steps")
+    assert decode.marker.size[1] > decode.marker.size[0]  # bigger batch, bigger point
+    assert "of the roof" in decode.text[0] and "FLOPs" in decode.text[0]
+    assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
+
+
+# --- pure handlers ----------------------------------------------------------------------------
+
+
+def test_kv_formula_presets_and_variants():
+    llama2 = MODEL_PRESETS["Llama-2-7B (MHA)"]
+    assert variant_kv_heads(llama2, "as the model") == 32
+    assert variant_kv_heads(llama2, "GQA") == 8 and variant_kv_heads(llama2, "MQA") == 1
+    x = parse_inputs("Llama-2-7B (MHA)", "as the model", 4096, 1, "bf16 / fp16 (2 B)",
+                     "bf16 / fp16 (2 B)", "A100 80GB", 0.9, None)  # fmt: skip
+    assert x.kv() == 2 * 32 * 32 * 128 * 4096 * 2 == 2 << 30  # the classic 2 GiB per request
+    md = formula_markdown(x)
+    assert "2 x 32 x 32 (MHA" in md and "2,147,483,648" in md
+    # (80e9 * 0.9 - 13.48e9 of weights) / 2 GiB per request
+    assert x.max_requests() == int((80e9 * 0.9 - 6.74e9 * 2) // (2 << 30))
+    headers, rows = table_rows(x)
+    assert headers[1] == "512" and rows[0][0] == "1" and rows[-1][-1].endswith("✗")
+    with pytest.raises(ValueError, match="batch size"):
+        parse_inputs("Llama-2-7B (MHA)", "MHA", 4096, 0, "bf16 / fp16 (2 B)",
+                     "bf16 / fp16 (2 B)", "A100 80GB", 0.9, None)  # fmt: skip
+    with pytest.raises(ValueError, match="no engine"):
+        parse_inputs(LOADED_MODEL, "MHA", 1, 1, "bf16 / fp16 (2 B)", "bf16 / fp16 (2 B)",
+                     "A100 80GB", 0.9, None)  # fmt: skip
+
+
+def test_workload_form_to_spec_and_readable_errors():
+    spec = spec_from_form({"num_prompts": 8, "arrival": "all at once", "input_kind": "fixed",
+                           "input_mean": 16, "output_kind": "fixed", "output_mean": 4})  # fmt: skip
+    assert spec.num_prompts == 8 and math.isinf(spec.request_rate)
+    assert spec.input_len.mean == 16 and spec.max_concurrency is None
+    poisson = spec_from_form({"arrival": "Poisson", "request_rate": 4.0, "burstiness": 0.2})
+    assert poisson.request_rate == 4.0 and poisson.burstiness == 1.0
+    gamma = spec_from_form({"arrival": "gamma (bursty)", "burstiness": 0.25})
+    assert gamma.burstiness == 0.25
+    for bad, match in (
+        ({"num_prompts": 0}, "number of requests"),
+        ({"num_prompts": 2.5}, "number of requests"),
+        ({"arrival": "Poisson", "request_rate": 0}, "request rate"),
+        ({"input_kind": "uniform", "input_low": 50, "input_high": 10}, "min 50 > max 10"),
+        ({"output_kind": "normal", "output_std": 0}, "output std"),
+        ({"temperature": -1}, "temperature"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            spec_from_form(bad)
+    with pytest.raises(ValueError, match="max_model_len 100"):
+        spec_from_form({}, max_model_len=100)
+
+
+def test_chat_helpers():
+    p = sampling_params(0.7, 0.9, 0, 32, -1)
+    assert p.top_k == -1 and p.seed is None and p.max_tokens == 32
+    assert sampling_params(0.0, 1.0, 5, 8, 42).seed == 42
+    with pytest.raises(ValueError, match="max_tokens"):
+        sampling_params(0.7, 0.9, 0, 2.5, 1)
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_params(0.7, 0.0, 0, 8, 1)
+    msgs = build_messages("Be brief.", [{"role": "user", "content": "hi"}], "again")
+    assert [m["role"] for m in msgs] == ["system", "user", "user"]
+    shown = render([{"role": "assistant", "content": "yo", "stats": "TTFT 5 ms"}], "par", "live")
+    assert shown[0]["content"].endswith("<sub>TTFT 5 ms</sub>") and "par ▌" in shown[1]["content"]
+
+
+def test_summary_rows_and_compare_rows():
+    t0 = 10.0
+    results = [_result(i, t0) for i in range(3)] + [_result(3, t0, ok=False)]
+    result = LoadTestResult(WorkloadSpec(num_prompts=4), "engine:x", t0, t0 + 2.0, results)
+    rows = dict((r[0], r[1]) for r in summary_rows(result.summary()))
+    assert rows["Successful requests"] == "3" and rows["Failed requests"] == "1"
+    assert float(rows["Mean TTFT (ms)"]) == pytest.approx(200.0)
+    assert float(rows["Mean TPOT (ms)"]) == pytest.approx(50.0)
+    assert "Failed x1" in rows
+    cfg = EngineConfig(**SMALL_ENGINE)
+    a, b = SideOutcome("A", "A: x", cfg, result), SideOutcome("B", "B: y", cfg, result)
+    b.steps = [_step(0, "decode", 4)]
+    table = {r[0]: r for r in compare_rows(a, b)}
+    assert table["Mean TTFT (ms)"][3] == "x1.00" and table["Mean TTFT (ms)"][4] == ""
+    assert table["Engine steps"][1:3] == ["0", "1"] and table["Engine steps"][4] == "A"
+
+
+def test_compare_side_configs_hold_the_kv_budget_in_tokens():
+    base = EngineConfig(**SMALL_ENGINE)
+    a, b = preset_sides("block size 64 vs 16")
+    assert side_config(base, a, 4096, 512).num_kv_blocks == 64
+    assert side_config(base, b, 4096, 512).num_kv_blocks == 256
+    static, continuous = preset_sides("static vs continuous batching")
+    assert side_config(base, static, 4096, 512).batching == "static"
+    contiguous, _ = preset_sides("contiguous vs paged KV")
+    with pytest.raises(ValueError, match="reserves max_model_len"):
+        side_config(base, contiguous, 256, 512)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        side_config(base, {**continuous, "max_num_seqs": 0}, 4096, 512)
+
+
+# --- handlers with a real engine ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def service():
+    from engine.service import EngineService
+
+    svc = EngineService(EngineConfig(**SMALL_ENGINE))
+    yield svc
+    svc.shutdown()
+
+
+def _wait_idle(service, timeout_s: float = 30.0) -> None:
+    from engine.service import wait_until_idle
+
+    assert wait_until_idle(service, timeout_s)
+
+
+def test_stream_reply_metrics_and_live_view_block_ownership(service):
+    async def chat():
+        active = ActiveRequests()
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        outs, views = [], []
+        async for out in stream_reply(service, "Count to ten:", params, active, "s1"):
+            outs.append(out)
+            if not out.finished and not views:
+                assert active.get("s1") == out.request_id
+                views.append(await asyncio.to_thread(live_view, service))
+        return outs, views, active
+
+    outs, views, active = asyncio.run(chat())
+    last = outs[-1]
+    assert last.finished and len(last.token_ids) == 24 and active.get("s1") is None
+    line = stats_line(last.metrics, len(last.token_ids), last.finish_reason)
+    assert "TTFT" in line and "TPOT" in line and "24 tokens" in line and "tok/s" in line
+    _, view = views[0]
+    owned = [t.name for t in view.block_map.data[1:]]
+    assert last.request_id in owned  # the streaming request holds blocks
+    _wait_idle(service)
+    _, after = live_view(service)
+    assert "KV blocks used: 0 / 256" in after.summary_md
+    assert last.request_id not in [t.name for t in after.block_map.data[1:]]
+    lat = latency_view(service.stats(), "all kept")
+    assert lat.table[0][0] == "TTFT" and lat.table[0][1] >= 1
+
+
+def test_background_load_test_and_stop(service):
+    spec = spec_from_form({"num_prompts": 4, "arrival": "all at once", "input_kind": "fixed",
+                           "input_mean": 16, "output_kind": "fixed", "output_mean": 4})  # fmt: skip
+    run = BackgroundRun(spec, EngineTarget(service)).start()
+    assert run.done.wait(60)
+    assert run.error is None and not run.stopped
+    summary = run.result.summary()
+    assert summary["completed"] == 4 and summary["total_output_tokens"] == 16
+    json.loads(run.result.to_json())
+    # Stopped mid-run: requests in flight are aborted, the engine ends up idle.
+    long = spec.replace(num_prompts=6, output_len=spec.output_len.fixed(200))
+    run = BackgroundRun(long, EngineTarget(service)).start()
+    time.sleep(1.0)
+    run.stop()
+    assert run.done.wait(30) and run.stopped and run.result is not None
+    _wait_idle(service)
+    assert service.stats().num_free_kv_blocks == 256
+
+
+def test_engine_pool_matches_the_formula(service):
+    from playground.engine_info import engine_info
+
+    md = engine_pool_markdown(engine_info(service), 512)
+    assert "which matches the allocation" in md
+    assert "Requests of 512 tokens that fit at once: **8**" in md  # 256 x 16 / 512
+
+
+# --- the app through gradio_client ----------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    from gradio_client import Client
+
+    from playground.app import build_app, launch
+
+    demo = build_app(service)
+    port = _free_port()
+    launch(demo, port=port, block=False)
+    yield Client(f"http://127.0.0.1:{port}/", verbose=False)
+    demo.close()
+
+
+def test_api_chat_streams_a_reply_with_metrics(client):
+    chatbot, message, status = client.predict(
+        "Say hello.", "Be brief.", 0.0, 1.0, 0, 8, 1, api_name="/chat"
+    )
+    reply = chatbot[-1]["content"][0]["text"]
+    assert chatbot[-1]["role"] == "assistant" and "TTFT" in reply and "8 tokens" in reply
+    assert message == "" and status == ""
+
+
+def test_api_chat_stop_aborts_and_frees_blocks(client, service):
+    job = client.submit("Write a long story.", "", 0.0, 1.0, 0, 400, 1, api_name="/chat")
+    deadline = time.monotonic() + 30
+    while service.stats().num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert "Stopped req-" in client.predict(api_name="/stop_chat")
+    chatbot, _, _ = job.result(timeout=30)
+    assert "stopped" in chatbot[-1]["content"][0]["text"]
+    _wait_idle(service)
+    assert service.stats().num_free_kv_blocks == 256
+
+
+def test_api_bad_values_give_messages_not_tracebacks(client):
+    _, _, status = client.predict("hi", "", 0.7, 0.9, 0, 2.5, 1, api_name="/chat")
+    assert "Not sent" in status and "max_tokens" in status
+    args = dict(num_prompts=0, max_concurrency=0, seed=0, arrival="all at once",
+                request_rate=1, burstiness=1, input_kind="fixed", input_mean=8, input_low=1,
+                input_high=8, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
+                output_high=4, output_std=1, prefix_len=0, temperature=0, ignore_eos=True)  # fmt: skip
+    out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
+    assert "Not started" in out[1] and "number of requests" in out[1]
+
+
+def test_api_load_test_live_and_kv_tabs(client):
+    args = dict(num_prompts=4, max_concurrency=2, seed=0, arrival="Poisson",
+                request_rate=20, burstiness=1, input_kind="uniform", input_mean=8, input_low=8,
+                input_high=24, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
+                output_high=4, output_std=1, prefix_len=8, temperature=0, ignore_eos=True)  # fmt: skip
+    out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
+    progress, status, _, _, _, table, download = out
+    rows = {r[0]: r[1] for r in table["data"]}
+    assert rows["Successful requests"] == "4" and float(rows["Output token throughput (tok/s)"]) > 0
+    assert "Done" in status and "4 / 4 requests done" in progress
+    assert download["visible"] is True  # an update: the button appears with the file
+    with open(download["value"], encoding="utf-8") as f:
+        data = json.load(f)
+    assert data["summary"]["completed"] == 4 and len(data["per_request"]) == 4
+    summary = client.predict(api_name="/live_refresh")[0]
+    assert "KV blocks used" in summary
+    md = client.predict(api_name="/latency")[0]
+    assert "finished requests" in md
+    kv = client.predict(api_name="/kv_calc")
+    assert "17,179,869,184" in kv[0]  # Llama-3-8B, 4096 tokens, batch 32, bf16
+    _, caption = client.predict("H100 SXM", api_name="/roofline")
+    assert "decode steps" in caption and "memory-bound" in caption
+
+
+def test_background_compare_runs_both_sides_and_keeps_peak_maps(service):
+    from engine.service import EngineService
+    from playground.handlers_compare import BackgroundCompare, side_label
+    from playground.loadgen import build_requests
+
+    spec = spec_from_form({"num_prompts": 3, "arrival": "all at once", "input_kind": "fixed",
+                           "input_mean": 16, "output_kind": "fixed", "output_mean": 3})  # fmt: skip
+    static, continuous = preset_sides("static vs continuous batching")
+    sides = [
+        ("A", side_label("A", static, continuous), side_config(service.config, static, 1024, 256)),
+        (
+            "B",
+            side_label("B", continuous, static),
+            side_config(service.config, continuous, 1024, 256),
+        ),
+    ]
+    requests = build_requests(spec, service.tokenizer)
+    cmp = BackgroundCompare(spec, sides, requests, EngineService).start()
+    assert cmp.done.wait(120)
+    a, b = cmp.outcomes
+    assert a.label == "A: batching=static" and a.config.batching == "static"
+    for side in (a, b):
+        assert side.error is None and side.result.summary()["completed"] == 3
+        assert side.peak is not None and side.peak.num_blocks == 64
+        assert side.peak.num_blocks - side.peak.num_free >= 3  # three prompts held at once
+    rows = {r[0]: r for r in compare_rows(a, b)}
+    assert rows["Successful requests"][1:3] == ["3", "3"]
