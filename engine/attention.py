@@ -25,15 +25,20 @@ class AttentionMetadata:
     # --- decode group (one query token per request) ---
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int32
     decode_seq_lens: torch.Tensor | None  # [Bd] int32: context incl. the new token
-    decode_ctx_slots: torch.Tensor | None  # torch backend: [Bd, Lmax] int64 slots (0-padded)
-    decode_ctx_mask: torch.Tensor | None  # torch backend: [Bd, 1, 1, Lmax] bool, True = attend
+    # torch backend: the blocks of each decode request, padded to nb = cdiv(max seq_len, bs)
+    # blocks each and flattened [Bd * nb] int64; the mask [Bd, 1, 1, nb * bs] is True = attend.
+    decode_block_ids: torch.Tensor | None
+    decode_ctx_mask: torch.Tensor | None
     # --- prefill group (varlen queries, causal over cached context + new tokens) ---
     prefill_q_lens: list[int]  # new tokens per prefill request
     prefill_ctx_lens: list[int]  # context after this step per prefill request
-    prefill_ctx_slots: list[torch.Tensor | None]  # torch: [L] slots, None when q_len == ctx
+    prefill_ctx_block_ids: list[torch.Tensor | None]  # torch: [nb] int64; None when q_len == ctx
     prefill_block_tables: torch.Tensor | None  # triton: [Bp, max_blocks] int32
     prefill_seq_lens: torch.Tensor | None  # triton: [Bp] int32
     prefill_query_start_loc: torch.Tensor | None  # triton: [Bp + 1] int32, from 0
+    # torch backend: scratch for gathered K and V blocks, reused by every layer of the step.
+    # (Fresh multi-MB tensors per layer cost more in page faults than the copy itself on CPU.)
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def paged_attention(
@@ -53,16 +58,15 @@ def paged_attention(
 def _torch_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat[meta.slot_mapping] = k
-    v_flat[meta.slot_mapping] = v
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        # Gather each request's context from its blocks: [Bd, L, Hkv, D] -> [Bd, Hkv, L, D].
-        k_ctx = k_flat[meta.decode_ctx_slots].transpose(1, 2)
-        v_ctx = v_flat[meta.decode_ctx_slots].transpose(1, 2)
+        k_ctx, v_ctx = _gather_blocks(kv_cache, meta.decode_block_ids, meta.workspace)
+        # [Bd * nb, bs, Hkv, D] -> [Bd, Hkv, nb * bs, D]
+        k_ctx = k_ctx.view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v_ctx = v_ctx.view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2),  # [Bd, Hq, 1, D]
             k_ctx,
@@ -73,20 +77,22 @@ def _torch_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -
         )
         out[:nd] = o.squeeze(2)
     start = nd
-    for q_len, ctx_len, ctx_slots in zip(
-        meta.prefill_q_lens, meta.prefill_ctx_lens, meta.prefill_ctx_slots, strict=True
+    for q_len, ctx_len, block_ids in zip(
+        meta.prefill_q_lens, meta.prefill_ctx_lens, meta.prefill_ctx_block_ids, strict=True
     ):
         end = start + q_len
         qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-        if ctx_slots is None:  # whole prompt in this step: the new K/V are the context
+        if block_ids is None:  # whole prompt in this step: the new K/V are the context
             ki = k[start:end].transpose(0, 1).unsqueeze(0)
             vi = v[start:end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
             )
         else:  # chunk or prefix hit: earlier context comes from the cache
-            ki = k_flat[ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vi = v_flat[ctx_slots].transpose(0, 1).unsqueeze(0)
+            k_ctx, v_ctx = _gather_blocks(kv_cache, block_ids, meta.workspace)
+            # [nb, bs, Hkv, D] -> [1, Hkv, L, D]
+            ki = k_ctx.view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1).unsqueeze(0)
+            vi = v_ctx.view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1).unsqueeze(0)
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(
@@ -95,6 +101,24 @@ def _torch_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -
         out[start:end] = o.squeeze(0).transpose(0, 1)
         start = end
     return out
+
+
+def _gather_blocks(
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    block_ids: torch.Tensor,  # [n] int64
+    workspace: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy whole blocks (not single tokens: far fewer, larger copies) into the workspace."""
+    k_cache = kv_cache[0]
+    num_blocks = k_cache.shape[0]
+    block_numel = k_cache[0].numel()
+    n = block_ids.numel()
+    outs = []
+    for cache, ws in zip(kv_cache, workspace or (None, None), strict=True):
+        dst = None if ws is None else ws[: n * block_numel].view(n, block_numel)
+        outs.append(torch.index_select(cache.view(num_blocks, block_numel), 0, block_ids, out=dst))
+    shape = (n, *k_cache.shape[1:])
+    return outs[0].view(shape), outs[1].view(shape)
 
 
 def _triton_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -215,8 +215,13 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
 def load_tokenizer(source: ModelSource):
-    if source.tokenizer_dir is None:
+    """The model's HF tokenizer, or None for a folder that ships none (token-id prompts only)."""
+    folder = source.tokenizer_dir
+    if folder is None or not any((folder / f).is_file() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

@@ -79,6 +79,7 @@ class ModelRunner:
         ]
         self._generators: dict[str, torch.Generator] = {}
         self._seed_rng = random.Random(config.seed)
+        self._gather_workspace: torch.Tensor | None = None
         self.graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager:
             self.graph_runner = CudaGraphRunner(
@@ -199,10 +200,11 @@ class ModelRunner:
         self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest], slot_mapping
     ) -> AttentionMetadata:
         dev, bs = self.device, self.block_size
+        gather_blocks = 0  # most blocks one attention call gathers (torch backend)
         meta = AttentionMetadata(
             backend=self.backend, slot_mapping=slot_mapping, num_decode_tokens=len(decodes),
-            decode_block_tables=None, decode_seq_lens=None, decode_ctx_slots=None,
-            decode_ctx_mask=None, prefill_q_lens=[], prefill_ctx_lens=[], prefill_ctx_slots=[],
+            decode_block_tables=None, decode_seq_lens=None, decode_block_ids=None,
+            decode_ctx_mask=None, prefill_q_lens=[], prefill_ctx_lens=[], prefill_ctx_block_ids=[],
             prefill_block_tables=None, prefill_seq_lens=None, prefill_query_start_loc=None,
         )  # fmt: skip
         if decodes:
@@ -211,23 +213,20 @@ class ModelRunner:
             lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
             meta.decode_block_tables, meta.decode_seq_lens = tables, lens
             if self.backend == "torch":
-                max_len = max(seq_lens)
-                pos = torch.arange(max_len, device=dev)
-                meta.decode_ctx_slots = tables[:, pos // bs].long() * bs + pos % bs
+                meta.decode_block_ids = tables.flatten().long()
+                pos = torch.arange(tables.shape[1] * bs, device=dev)
                 meta.decode_ctx_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+                gather_blocks = meta.decode_block_ids.numel()
         for s in prefills:
             ctx_len = s.request.num_computed_tokens + s.num_new_tokens
             meta.prefill_q_lens.append(s.num_new_tokens)
             meta.prefill_ctx_lens.append(ctx_len)
-            if self.backend == "torch":
-                ctx_slots = None
-                if ctx_len > s.num_new_tokens:
-                    table = torch.tensor(s.block_table[: cdiv(ctx_len, bs)], device=dev)
-                    pos = torch.arange(ctx_len, device=dev)
-                    ctx_slots = table[pos // bs] * bs + pos % bs
-                meta.prefill_ctx_slots.append(ctx_slots)
-            else:
-                meta.prefill_ctx_slots.append(None)
+            block_ids = None
+            if self.backend == "torch" and ctx_len > s.num_new_tokens:
+                nb = cdiv(ctx_len, bs)
+                block_ids = torch.tensor(s.block_table[:nb], dtype=torch.long, device=dev)
+                gather_blocks = max(gather_blocks, nb)
+            meta.prefill_ctx_block_ids.append(block_ids)
         if prefills and self.backend != "torch":
             ctx_lens = meta.prefill_ctx_lens
             meta.prefill_block_tables = _pad_tables(
@@ -238,7 +237,19 @@ class ModelRunner:
             for q_len in meta.prefill_q_lens:
                 starts.append(starts[-1] + q_len)
             meta.prefill_query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
+        if gather_blocks:
+            meta.workspace = self._workspace(gather_blocks)
         return meta
+
+    def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grow-only scratch for `num_blocks` gathered K and V blocks (torch backend)."""
+        numel = num_blocks * self.kv_cache[0, 0, 0].numel()
+        if self._gather_workspace is None or self._gather_workspace.shape[1] < numel:
+            self._gather_workspace = torch.empty(
+                2, max(numel, 2 * getattr(self._gather_workspace, "shape", (0, 0))[1]),
+                dtype=self.dtype, device=self.device,
+            )  # fmt: skip
+        return self._gather_workspace[0], self._gather_workspace[1]
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.params.greedy:

@@ -1,0 +1,130 @@
+"""EngineService: streams (sync and async), abort, stop strings, seeds, errors; no leaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, EngineConfig, EngineService, SamplingParams
+from engine.service import wait_until_idle
+
+TINY = dict(model="random:tiny", dtype="float32", max_model_len=256, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = EngineService(EngineConfig(**TINY))
+    yield svc
+    svc.shutdown()
+
+
+def assert_all_free(svc: EngineService) -> None:
+    assert wait_until_idle(svc)
+    stats = svc.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_sync_stream_deltas_add_up_to_generate(service):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    deltas = list(service.submit("The playground streams", params))
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert "".join(d.new_text for d in deltas) == deltas[-1].text
+    assert sum(len(d.new_token_ids) for d in deltas) == 12
+    expected = LLM(**TINY).generate(["The playground streams"], params)[0]
+    assert deltas[-1].token_ids == expected.token_ids and deltas[-1].text == expected.text
+    assert_all_free(service)
+
+
+def test_async_streams_run_concurrently(service):
+    async def run(prompt: str) -> str:
+        text = ""
+        async for out in service.submit(prompt, SamplingParams(max_tokens=8, ignore_eos=True)):
+            text += out.new_text
+        return text
+
+    async def main():
+        return await asyncio.gather(*(run(f"prompt number {i}") for i in range(6)))
+
+    texts = asyncio.run(main())
+    assert len(texts) == 6
+    # They shared steps: some step ran several requests at once.
+    assert max(s.batch_size for s in service.stats().steps) > 1
+    assert_all_free(service)
+
+
+def test_abort_mid_stream_frees_blocks(service):
+    stream = service.submit("abort me", SamplingParams(max_tokens=200, ignore_eos=True))
+    first = next(stream)
+    assert not first.finished
+    stream.abort()
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert_all_free(service)
+
+
+def test_stop_string_cuts_the_text(service):
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    full = service.submit("stop strings", params).result().text
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = full.index(stop)
+    out = service.submit("stop strings", SamplingParams(**{**vars(params), "stop": (stop,)}))
+    deltas = list(out)
+    assert deltas[-1].text == full[:cut] and deltas[-1].finish_reason == "stop"
+    assert "".join(d.new_text for d in deltas) == full[:cut]  # no partial stop string leaked
+    assert_all_free(service)
+
+
+def test_seed_gives_the_same_tokens_whatever_the_batch(service):
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = service.submit("seeded", seeded).result().token_ids
+    noise = [service.submit(f"noise {i}", SamplingParams(max_tokens=10, temperature=1.0))
+             for i in range(5)]  # fmt: skip
+    crowded = service.submit("seeded", seeded).result().token_ids
+    for n in noise:
+        n.result()
+    assert alone == crowded
+    other_seed = SamplingParams(**{**vars(seeded), "seed": 99})
+    assert service.submit("seeded", other_seed).result().token_ids != alone
+    assert_all_free(service)
+
+
+def test_bad_input_raises_and_the_engine_keeps_serving(service):
+    with pytest.raises(ValueError, match=r"^prompt: must not be empty"):
+        service.submit("", SamplingParams())
+    out = service.submit("still alive", SamplingParams(max_tokens=3)).result()
+    assert out.finished
+    assert_all_free(service)
+
+
+def test_engine_error_fails_requests_but_not_the_thread(monkeypatch):
+    svc = EngineService(EngineConfig(**TINY))
+    try:
+        calls = {"n": 0}
+        real_execute = svc.engine.runner.execute
+
+        def flaky(out):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected fault")
+            return real_execute(out)
+
+        monkeypatch.setattr(svc.engine.runner, "execute", flaky)
+        failed = svc.submit("doomed", SamplingParams(max_tokens=50, ignore_eos=True)).result()
+        assert failed.finish_reason == "abort" and "injected fault" in failed.error
+        assert_all_free(svc)
+        ok = svc.submit("next one", SamplingParams(max_tokens=4, ignore_eos=True)).result()
+        assert ok.finish_reason == "length" and ok.error is None
+    finally:
+        svc.shutdown()
+
+
+def test_shutdown_ends_streams_and_refuses_new_work():
+    svc = EngineService(EngineConfig(**TINY))
+    stream = svc.submit("long", SamplingParams(max_tokens=250, ignore_eos=True))
+    next(stream)
+    svc.shutdown()
+    assert list(stream)[-1].finished
+    with pytest.raises(RuntimeError, match="shutting down"):
+        svc.submit("late", SamplingParams())
