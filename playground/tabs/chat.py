@@ -20,6 +20,10 @@ from playground.handlers_chat import (
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
 
 
+def stopped_message(request_id: str) -> str:
+    return f"Stopped {request_id}: the engine freed its KV blocks at once."
+
+
 def create_ui(ctx: AppContext) -> SimpleNamespace:
     ui = SimpleNamespace()
     with gr.Row():
@@ -96,7 +100,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
                 last = out
                 if not out.finished:
                     live = f"{out.request_id} · streaming · {len(out.token_ids)} tokens"
-                    yield render(shown, out.text, live), turns, "", ""
+                    yield render(shown, out.text, live), turns, "", gr.skip()
         except (ValueError, RuntimeError) as e:  # refused (too long, ...) or shutting down
             gr.Warning(str(e))
             yield render(turns), turns, message, f"**Not sent:** {e}"
@@ -112,7 +116,11 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             "content": text,
             "stats": stats_line(last.metrics, len(last.token_ids), last.finish_reason),
         }
-        status = f"**Engine error:** {last.error}" if last.error else ""
+        status = ""
+        if last.error:
+            status = f"**Engine error:** {last.error}"
+        elif last.finish_reason == "abort":
+            status = stopped_message(last.request_id)
         new_turns = [*shown, reply]
         yield render(new_turns), new_turns, "", status
 
@@ -121,7 +129,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         if request_id is None:
             return "Nothing to stop: no reply is streaming."
         service.abort(request_id)
-        return f"Stopped {request_id}: the engine freed its KV blocks at once."
+        return stopped_message(request_id)
 
     inputs = [
         ui.message,
