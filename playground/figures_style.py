@@ -60,9 +60,20 @@ def tint(hex_color: str, amount: float = 0.65) -> str:
 
 def base_layout(fig: go.Figure, title: str | None = None, height: int = 320) -> go.Figure:
     fig.update_layout(
-        title={"text": title, "x": 0.01, "font": {"size": 14}} if title else None,
+        # The title sits at the very top, the legend just above the plot area under it.
+        title={
+            "text": title,
+            "x": 0.01,
+            "y": 1.0,
+            "yref": "container",
+            "yanchor": "top",
+            "pad": {"t": 10},
+            "font": {"size": 14},
+        }
+        if title
+        else None,
         height=height,
-        margin={"l": 55, "r": 20, "t": 40 if title else 15, "b": 45},
+        margin={"l": 55, "r": 20, "t": 75 if title else 30, "b": 45},
         template="plotly_white",
         legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
         hoverlabel={"namelength": -1},
