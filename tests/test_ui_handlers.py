@@ -440,3 +440,18 @@ def test_background_compare_runs_both_sides_and_keeps_peak_maps(service):
         assert side.peak.num_blocks - side.peak.num_free >= 3  # three prompts held at once
     rows = {r[0]: r for r in compare_rows(a, b)}
     assert rows["Successful requests"][1:3] == ["3", "3"]
+
+
+def test_api_two_sessions_chat_at_once_in_the_same_engine_steps(client, service):
+    from gradio_client import Client
+
+    other = Client(client.src, verbose=False)
+    first_step = service.stats().num_steps_total
+    jobs = [
+        c.submit(f"Count to {n}.", "", 0.0, 1.0, 0, 24, 1, api_name="/chat")
+        for c, n in ((client, 20), (other, 30))
+    ]
+    for job in jobs:
+        assert "24 tokens" in job.result(timeout=60)[0][-1]["content"][0]["text"]
+    steps = [s for s in service.stats().steps if s.step_index >= first_step]
+    assert max(s.num_decode_reqs for s in steps) == 2  # both replies decoded in one step
