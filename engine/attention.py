@@ -64,18 +64,9 @@ def _torch_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -
     nd = meta.num_decode_tokens
     if nd:
         k_ctx, v_ctx = _gather_blocks(kv_cache, meta.decode_block_ids, meta.workspace)
-        # [Bd * nb, bs, Hkv, D] -> [Bd, Hkv, nb * bs, D]
-        k_ctx = k_ctx.view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v_ctx = v_ctx.view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2),  # [Bd, Hq, 1, D]
-            k_ctx,
-            v_ctx,
-            attn_mask=meta.decode_ctx_mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[:nd] = o.squeeze(2)
+        k_ctx = k_ctx.view(nd, -1, num_kv_heads, head_dim)  # [Bd, L, Hkv, D]
+        v_ctx = v_ctx.view(nd, -1, num_kv_heads, head_dim)
+        out[:nd] = _decode_attention(q[:nd], k_ctx, v_ctx, meta.decode_ctx_mask, scale)
     start = nd
     for q_len, ctx_len, block_ids in zip(
         meta.prefill_q_lens, meta.prefill_ctx_lens, meta.prefill_ctx_block_ids, strict=True
@@ -101,6 +92,32 @@ def _torch_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -
         out[start:end] = o.squeeze(0).transpose(0, 1)
         start = end
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k: torch.Tensor,  # [B, L, Hkv, D]
+    v: torch.Tensor,  # [B, L, Hkv, D]
+    mask: torch.Tensor,  # [B, 1, 1, L] bool, True = attend
+    scale: float,
+) -> torch.Tensor:
+    """One query per request. float32 goes through SDPA (bit-close to HF's attention); 16-bit
+    dtypes use two grouped matmuls, measured ~4x faster than CPU SDPA with a mask for q_len 1.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    if q.dtype == torch.float32:
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        return o.squeeze(2)
+    # GQA without copies: the G query heads of a group are rows of one matrix.
+    q_groups = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q_groups, k.permute(0, 2, 3, 1)).float()  # [B, Hkv, G, L]
+    scores.mul_(scale).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).view(batch, num_heads, head_dim)
 
 
 def _gather_blocks(
