@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up pings
     # Imported after parsing so that --help answers at once.
     from engine import EngineConfig
     from engine.service import EngineService

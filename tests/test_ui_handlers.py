@@ -455,3 +455,22 @@ def test_api_two_sessions_chat_at_once_in_the_same_engine_steps(client, service)
         assert "24 tokens" in job.result(timeout=60)[0][-1]["content"][0]["text"]
     steps = [s for s in service.stats().steps if s.step_index >= first_step]
     assert max(s.num_decode_reqs for s in steps) == 2  # both replies decoded in one step
+
+
+def test_api_chat_and_live_refresh_answer_during_a_load_test(client, service):
+    args = dict(num_prompts=6, max_concurrency=0, seed=1, arrival="all at once",
+                request_rate=1, burstiness=1, input_kind="fixed", input_mean=32, input_low=1,
+                input_high=32, input_std=1, output_kind="fixed", output_mean=64, output_low=1,
+                output_high=64, output_std=1, prefix_len=0, temperature=0, ignore_eos=True)  # fmt: skip
+    job = client.submit(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
+    deadline = time.monotonic() + 30
+    while service.stats().num_running < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    summary = client.predict(api_name="/live_refresh")[0]
+    assert time.monotonic() - t0 < 5 and "running **" in summary
+    chatbot, _, _ = client.predict("Hi!", "", 0.0, 1.0, 0, 4, 1, api_name="/chat")
+    assert "4 tokens" in chatbot[-1]["content"][0]["text"]
+    assert not job.done()  # the chat reply came back while the load test was still running
+    rows = {r[0]: r[1] for r in job.result(timeout=120)[5]["data"]}
+    assert rows["Successful requests"] == "6"
