@@ -54,12 +54,12 @@ class CudaGraphRunner:
 
     def _metadata(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
-            backend="triton", slot_mapping=self.slot_mapping[:batch], num_decode_tokens=batch,
-            decode_block_tables=self.block_tables[:batch], decode_seq_lens=self.seq_lens[:batch],
-            decode_block_ids=None, decode_ctx_mask=None, prefill_q_lens=[], prefill_ctx_lens=[],
-            prefill_ctx_block_ids=[], prefill_block_tables=None, prefill_seq_lens=None,
-            prefill_query_start_loc=None,
-        )  # fmt: skip
+            backend="triton",
+            slot_mapping=self.slot_mapping[:batch],
+            num_decode_tokens=batch,
+            decode_block_tables=self.block_tables[:batch],
+            decode_seq_lens=self.seq_lens[:batch],
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -6,6 +6,7 @@ new tokens + context blocks); nothing is rebuilt per layer.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, kv_cache_shape
+from engine.attention_torch import gather_rows, store_rows
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
@@ -70,9 +72,10 @@ class ModelRunner:
         self.kv_spec = self._plan_kv_cache()
         arch = self.arch
         # One tensor for all layers: [layers, 2 (K,V), blocks, block_size, kv_heads, head_dim].
+        # One tensor for all layers: [layers, 2 (K, V), *per-layer layout of the backend].
         self.kv_cache = torch.zeros(
-            arch.num_layers, 2, self.kv_spec.num_blocks, self.block_size,
-            arch.num_kv_heads, arch.head_dim, dtype=self.dtype, device=self.device,
+            arch.num_layers, 2, *self._layer_kv_shape(self.kv_spec.num_blocks),
+            dtype=self.dtype, device=self.device,
         )  # fmt: skip
         self.kv_caches = [
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(arch.num_layers)
@@ -92,6 +95,12 @@ class ModelRunner:
         if backend == "auto":
             return "triton" if self.device.type == "cuda" else "torch"
         return backend
+
+    def _layer_kv_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        arch = self.arch
+        return kv_cache_shape(
+            self.backend, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim
+        )
 
     def _load_model(self, source: ModelSource) -> LlamaForCausalLM:
         # Built on the meta device, then materialized: no time spent on throw-away init.
@@ -134,8 +143,11 @@ class ModelRunner:
             Request("profile", [0] * num_tokens, _PROFILE_PARAMS, arrival_time=0.0),
             num_tokens, list(range(cdiv(num_tokens, self.block_size))),
         )  # fmt: skip
-        self.kv_caches = _scratch_kv(self.arch, cdiv(num_tokens, self.block_size), self.block_size,
-                                     self.dtype, self.device)  # fmt: skip
+        shape = self._layer_kv_shape(cdiv(num_tokens, self.block_size))
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+            for _ in range(self.arch.num_layers)
+        ]
         self.execute(SchedulerOutput(scheduled=[dummy], num_prefill_tokens=num_tokens))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -200,50 +212,63 @@ class ModelRunner:
         self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest], slot_mapping
     ) -> AttentionMetadata:
         dev, bs = self.device, self.block_size
-        gather_blocks = 0  # most blocks one attention call gathers (torch backend)
         meta = AttentionMetadata(
-            backend=self.backend, slot_mapping=slot_mapping, num_decode_tokens=len(decodes),
-            decode_block_tables=None, decode_seq_lens=None, decode_block_ids=None,
-            decode_ctx_mask=None, prefill_q_lens=[], prefill_ctx_lens=[], prefill_ctx_block_ids=[],
-            prefill_block_tables=None, prefill_seq_lens=None, prefill_query_start_loc=None,
-        )  # fmt: skip
+            backend=self.backend, slot_mapping=slot_mapping, num_decode_tokens=len(decodes)
+        )
+        for s in prefills:
+            meta.prefill_q_lens.append(s.num_new_tokens)
+            meta.prefill_ctx_lens.append(s.request.num_computed_tokens + s.num_new_tokens)
+        if self.backend == "torch":
+            self._add_torch_indices(meta, decodes, prefills)
+            return meta
         if decodes:
             seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
-            tables = _pad_tables([s.block_table for s in decodes], cdiv(max(seq_lens), bs), dev)
-            lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-            meta.decode_block_tables, meta.decode_seq_lens = tables, lens
-            if self.backend == "torch":
-                meta.decode_block_ids = tables.flatten().long()
-                pos = torch.arange(tables.shape[1] * bs, device=dev)
-                meta.decode_ctx_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-                gather_blocks = meta.decode_block_ids.numel()
-        for s in prefills:
-            ctx_len = s.request.num_computed_tokens + s.num_new_tokens
-            meta.prefill_q_lens.append(s.num_new_tokens)
-            meta.prefill_ctx_lens.append(ctx_len)
-            block_ids = None
-            if self.backend == "torch" and ctx_len > s.num_new_tokens:
-                nb = cdiv(ctx_len, bs)
-                block_ids = torch.tensor(s.block_table[:nb], dtype=torch.long, device=dev)
-                gather_blocks = max(gather_blocks, nb)
-            meta.prefill_ctx_block_ids.append(block_ids)
-        if prefills and self.backend != "torch":
+            meta.decode_block_tables = _pad_tables(
+                [s.block_table for s in decodes], cdiv(max(seq_lens), bs), dev
+            )
+            meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        if prefills:
             ctx_lens = meta.prefill_ctx_lens
             meta.prefill_block_tables = _pad_tables(
                 [s.block_table for s in prefills], cdiv(max(ctx_lens), bs), dev
             )
             meta.prefill_seq_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
-            starts = [0]
-            for q_len in meta.prefill_q_lens:
-                starts.append(starts[-1] + q_len)
+            starts = [0, *itertools.accumulate(meta.prefill_q_lens)]
             meta.prefill_query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
-        if gather_blocks:
-            meta.workspace = self._workspace(gather_blocks)
         return meta
 
-    def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Grow-only scratch for `num_blocks` gathered K and V blocks (torch backend)."""
-        numel = num_blocks * self.kv_cache[0, 0, 0].numel()
+    def _add_torch_indices(
+        self, meta: AttentionMetadata, decodes: list[ScheduledRequest],
+        prefills: list[ScheduledRequest],
+    ) -> None:  # fmt: skip
+        """Cache rows for the torch backend's head-major layout (see attention_torch.py)."""
+        dev, bs = self.device, self.block_size
+        num_kv_heads, num_blocks = self.arch.num_kv_heads, self.kv_spec.num_blocks
+        meta.store_index = store_rows(meta.slot_mapping, num_kv_heads, num_blocks * bs)
+        most_rows = 0  # the largest gather of the step sizes the workspace
+        if decodes:
+            seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
+            tables = _pad_tables([s.block_table for s in decodes], cdiv(max(seq_lens), bs), dev)
+            meta.decode_gather_index = gather_rows(
+                tables.flatten().long(), num_kv_heads, num_blocks
+            )
+            pos = torch.arange(tables.shape[1] * bs, device=dev)
+            lens = torch.tensor(seq_lens, device=dev)
+            meta.decode_ctx_mask = pos[None, :] < lens[:, None]
+            most_rows = meta.decode_gather_index.numel()
+        for s, ctx_len in zip(prefills, meta.prefill_ctx_lens, strict=True):
+            rows = None
+            if ctx_len > s.num_new_tokens:
+                table = s.block_table[: cdiv(ctx_len, bs)]
+                block_ids = torch.tensor(table, dtype=torch.long, device=dev)
+                rows = gather_rows(block_ids, num_kv_heads, num_blocks)
+                most_rows = max(most_rows, rows.numel())
+            meta.prefill_gather_index.append(rows)
+        if most_rows:
+            meta.workspace = self._workspace(most_rows * bs * self.arch.head_dim)
+
+    def _workspace(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grow-only scratch for `numel` gathered K and V elements each (torch backend)."""
         if self._gather_workspace is None or self._gather_workspace.shape[1] < numel:
             self._gather_workspace = torch.empty(
                 2, max(numel, 2 * getattr(self._gather_workspace, "shape", (0, 0))[1]),
@@ -281,17 +306,6 @@ class ModelRunner:
 def _pad_tables(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
     rows = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
     return torch.tensor(rows, dtype=torch.int32, device=device)
-
-
-def _scratch_kv(arch, num_blocks: int, block_size: int, dtype, device):
-    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(arch.num_layers)
-    ]
 
 
 def _init_random_weights(model: LlamaForCausalLM, seed: int) -> None:

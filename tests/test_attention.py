@@ -1,35 +1,97 @@
-"""The engine's torch attention path against the kernels' torch references."""
+"""The engine's torch attention path (head-major cache) against the kernels' torch references
+(kernel layout): same cache contents, same outputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.attention import _decode_attention, _gather_blocks
-from kernels.reference import paged_attention_decode_ref
+from engine.attention import AttentionMetadata
+from engine.attention_torch import gather_rows, store_rows, torch_attention
+from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref
+
+NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM = 64, 16, 3, 3, 64
+
+
+def _caches(dtype, gen):
+    # The kernels' layout [blocks, bs, Hkv, D] and the same data head-major [Hkv, blocks, bs, D].
+    shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k = torch.randn(shape, generator=gen).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    return (k, v), (k.permute(2, 0, 1, 3).contiguous(), v.permute(2, 0, 1, 3).contiguous())
+
+
+def _tables(seq_lens, gen):
+    width = -(-max(seq_lens) // BLOCK_SIZE)
+    perm = torch.randperm(NUM_BLOCKS, generator=gen)  # shuffled, non-contiguous tables
+    return perm[: len(seq_lens) * width].view(len(seq_lens), width)
+
+
+def _rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_gathered_decode_attention_matches_reference(dtype, tol):
+def test_decode_matches_reference(dtype, tol):
     gen = torch.Generator().manual_seed(0)
-    num_blocks, block_size, num_kv_heads, group, head_dim = 80, 16, 3, 3, 64
     seq_lens = [1, 17, 100, 250]
     batch = len(seq_lens)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    q = torch.randn(batch, num_kv_heads * group, head_dim, generator=gen).to(dtype)
-    width = -(-max(seq_lens) // block_size)
-    perm = torch.randperm(num_blocks, generator=gen)  # shuffled, non-contiguous tables
-    tables = perm[: batch * width].view(batch, width).to(torch.int32)
+    kernel_cache, head_major = _caches(dtype, gen)
+    tables = _tables(seq_lens, gen)
+    q = torch.randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    scale = head_dim**-0.5
-    expected = paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, scale)
+    scale = HEAD_DIM**-0.5
+    # The newest token of each request: store it through the engine path.
+    new_k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    new_v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    slots = torch.tensor(
+        [int(tables[b, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+         for b, n in enumerate(seq_lens)]
+    )  # fmt: skip
+    for cache, new in zip(kernel_cache, (new_k, new_v), strict=True):
+        cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = new
+    expected = paged_attention_decode_ref(q, *kernel_cache, tables.int(), lens, scale)
 
-    k, v = _gather_blocks((k_cache, v_cache), tables.flatten().long(), None)
-    k = k.view(batch, -1, num_kv_heads, head_dim)
-    v = v.view(batch, -1, num_kv_heads, head_dim)
-    pos = torch.arange(width * block_size)
-    mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-    out = _decode_attention(q, k, v, mask, scale)
-    err = (out.float() - expected.float()).norm() / expected.float().norm()
-    assert err < tol
+    pos = torch.arange(tables.shape[1] * BLOCK_SIZE)
+    meta = AttentionMetadata(
+        backend="torch", slot_mapping=slots, num_decode_tokens=batch,
+        store_index=store_rows(slots, NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE),
+        decode_gather_index=gather_rows(tables.flatten(), NUM_KV_HEADS, NUM_BLOCKS),
+        decode_ctx_mask=pos[None, :] < lens[:, None],
+    )  # fmt: skip
+    out = torch_attention(q, new_k, new_v, head_major, meta, scale)
+    assert _rel_err(out, expected) < tol
+    # The engine's store wrote the same cache contents as the reference layout holds.
+    assert torch.equal(head_major[0].permute(1, 2, 0, 3), kernel_cache[0])
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_chunked_prefill_matches_reference(dtype, tol):
+    gen = torch.Generator().manual_seed(1)
+    seq_lens, q_lens = [40, 70], [40, 23]  # a whole prompt, and a chunk after 47 cached
+    kernel_cache, head_major = _caches(dtype, gen)
+    tables = _tables(seq_lens, gen)
+    total_q = sum(q_lens)
+    q = torch.randn(total_q, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(total_q, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(total_q, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    slots = torch.cat([
+        torch.tensor([int(tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                      for p in range(n - ql, n)])
+        for b, (n, ql) in enumerate(zip(seq_lens, q_lens, strict=True))
+    ])  # fmt: skip
+    for cache, new in zip(kernel_cache, (k, v), strict=True):
+        cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = new
+    scale = HEAD_DIM**-0.5
+    starts = torch.tensor([0, q_lens[0], total_q], dtype=torch.int32)
+    expected = paged_attention_prefill_ref(
+        q, *kernel_cache, tables.int(), torch.tensor(seq_lens, dtype=torch.int32), starts, scale
+    )
+    chunk_rows = gather_rows(tables[1, : -(-70 // BLOCK_SIZE)], NUM_KV_HEADS, NUM_BLOCKS)
+    meta = AttentionMetadata(
+        backend="torch", slot_mapping=slots, num_decode_tokens=0, prefill_q_lens=q_lens,
+        prefill_ctx_lens=seq_lens, prefill_gather_index=[None, chunk_rows],
+        store_index=store_rows(slots, NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE),
+    )  # fmt: skip
+    out = torch_attention(q, k, v, head_major, meta, scale)
+    assert _rel_err(out, expected) < tol
