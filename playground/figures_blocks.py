@@ -11,6 +11,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import plotly.graph_objects as go
 
 from engine.block_manager import BlockSnapshot
@@ -45,6 +46,8 @@ def _block_category(snapshot: BlockSnapshot, block_id: int) -> str:
 
 def _block_hover(snapshot: BlockSnapshot, block_id: int) -> str:
     owner = snapshot.owners[block_id]
+    if snapshot.states[block_id] == "free" and not snapshot.ref_counts[block_id]:
+        return f"block {block_id}: free"  # short: most cells of a big pool are free
     return (
         f"block {block_id}<br>state: {snapshot.states[block_id]}"
         f"<br>request: {html.escape(owner) if owner else '-'}"
@@ -116,43 +119,36 @@ def grid_columns(num_cells: int) -> int:
 def block_map_figure(
     snapshot: BlockSnapshot, title: str | None = None, max_cells: int = MAX_CELLS
 ) -> go.Figure:
+    # Refreshed every second: traces are plain dicts and the grid numpy arrays, so Plotly
+    # validates each once (trace objects would be deep-copied into the figure).
     cells, per_cell = build_cells(snapshot, max_cells)
     cols = grid_columns(len(cells))
     rows = max(1, math.ceil(len(cells) / cols))
     categories = sorted({c.category for c in cells}, key=_category_sort_key)
     index = {cat: i for i, cat in enumerate(categories)}
-    z: list[list[int | None]] = [[None] * cols for _ in range(rows)]
-    text: list[list[str]] = [[""] * cols for _ in range(rows)]
-    for i, cell in enumerate(cells):
-        z[i // cols][i % cols] = index[cell.category]
-        text[i // cols][i % cols] = cell.hover
+    z = np.full(rows * cols, np.nan)
+    text = np.full(rows * cols, "", dtype=object)
+    z[: len(cells)] = [index[c.category] for c in cells]
+    text[: len(cells)] = [c.hover for c in cells]
     colors = [_category_color(c) for c in categories]
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            text=text,
-            hovertemplate="%{text}<extra></extra>",
-            showscale=False,
-            colorscale=_stepped_colorscale(colors),
-            zmin=-0.5,
-            zmax=len(colors) - 0.5,
-            xgap=1,
-            ygap=1,
-        )
-    )
+    traces: list[dict] = [
+        {
+            "type": "heatmap", "z": z.reshape(rows, cols), "text": text.reshape(rows, cols),
+            "hovertemplate": "%{text}<extra></extra>", "showscale": False,
+            "colorscale": _stepped_colorscale(colors), "zmin": -0.5,
+            "zmax": len(colors) - 0.5, "xgap": 1, "ygap": 1,
+        }
+    ]  # fmt: skip
     shared = [(i % cols, i // cols) for i, c in enumerate(cells) if c.shared]
     if shared:
-        fig.add_trace(
-            go.Scatter(
-                x=[p[0] for p in shared],
-                y=[p[1] for p in shared],
-                mode="markers",
-                marker={"symbol": "circle", "size": 5, "color": "black"},
-                name="shared (ref count > 1)",
-                hoverinfo="skip",
-            )
-        )
-    _add_legend(fig, categories)
+        traces.append(
+            {
+                "type": "scatter", "x": [p[0] for p in shared], "y": [p[1] for p in shared],
+                "mode": "markers", "marker": {"symbol": "circle", "size": 5, "color": "black"},
+                "name": "shared (ref count > 1)", "hoverinfo": "skip",
+            }
+        )  # fmt: skip
+    traces += _legend_traces(categories)
     used = sum(s != "free" and s != "cached" for s in snapshot.states)
     head = title or "Block map"
     unit = f" · one cell = {per_cell} blocks" if per_cell > 1 else ""
@@ -160,8 +156,13 @@ def block_map_figure(
         f"{head}: {used} / {snapshot.num_blocks} blocks held ({snapshot.layout} layout, "
         f"{snapshot.block_size} tokens per block){unit}"
     )
-    fig.update_xaxes(visible=False, range=[-0.5, cols - 0.5])
-    fig.update_yaxes(visible=False, autorange="reversed")
+    fig = go.Figure(
+        data=traces,
+        layout={
+            "xaxis": {"visible": False, "range": [-0.5, cols - 0.5]},
+            "yaxis": {"visible": False, "autorange": "reversed"},
+        },
+    )
     base_layout(fig, subtitle, height=min(900, max(200, rows * 22 + 110)))
     fig.update_layout(legend={"y": -0.02, "yanchor": "top"}, margin={"b": 10})
     return fig
@@ -174,27 +175,24 @@ def _category_sort_key(category: str) -> tuple[int, str]:
     return (2, category.partition(":")[2] + category)
 
 
-def _add_legend(fig: go.Figure, categories: list[str]) -> None:
+def _legend_traces(categories: list[str]) -> list[dict]:
+    """Invisible one-marker traces: the heatmap itself has no legend."""
     owners = [c for c in categories if c.startswith("used:") or c.startswith("reserved:")]
     shown = [c for c in categories if c not in owners] + owners[: 2 * MAX_LEGEND_OWNERS]
-    for cat in shown:
-        fig.add_trace(
-            go.Scatter(
-                x=[None],
-                y=[None],
-                mode="markers",
-                name=_category_label(cat),
-                marker={
-                    "symbol": "square",
-                    "size": 12,
-                    "color": _category_color(cat),
-                    "line": {"width": 1, "color": "#9ca3af"},
-                },
-            )
-        )
+    traces = [
+        {
+            "type": "scatter", "x": [None], "y": [None], "mode": "markers",
+            "name": _category_label(cat),
+            "marker": {"symbol": "square", "size": 12, "color": _category_color(cat),
+                       "line": {"width": 1, "color": "#9ca3af"}},
+        }
+        for cat in shown
+    ]  # fmt: skip
     hidden = len(categories) - len(shown)
     if hidden > 0:
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"+{hidden} more"))
+        traces.append({"type": "scatter", "x": [None], "y": [None], "mode": "markers",
+                       "name": f"+{hidden} more"})  # fmt: skip
+    return traces
 
 
 def usage_gauge(num_used_blocks: int, num_blocks: int, title: str = "KV cache usage") -> go.Figure:

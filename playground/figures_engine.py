@@ -6,7 +6,6 @@ import html
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from engine.metrics import StepStats
 from engine.stats import RequestProgress
@@ -16,52 +15,41 @@ EMPTY_HINT = "No engine steps yet: send a message in Chat or run a load test."
 
 
 def batch_timeline_figure(steps: Sequence[StepStats], max_steps: int = 200) -> go.Figure:
-    """Prefill vs decode tokens of each recent step (stacked bars) and its batch size."""
+    """Prefill vs decode tokens of each recent step (stacked bars) and its batch size (line,
+    right axis). Dict traces: this figure is rebuilt every second on the live tab."""
     steps = list(steps)[-max_steps:]
     if not steps:
         return empty_figure(EMPTY_HINT, "Batch composition per step")
     x = [s.step_index for s in steps]
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
     hover = "step %{x}<br>%{y} %{meta} tokens<extra></extra>"
-    fig.add_bar(
-        x=x,
-        y=[s.num_prefill_tokens for s in steps],
-        name="prefill tokens",
-        marker_color=KIND_COLORS["prefill"],
-        meta="prefill",
-        hovertemplate=hover,
-    )
-    fig.add_bar(
-        x=x,
-        y=[s.num_decode_tokens for s in steps],
-        name="decode tokens",
-        marker_color=KIND_COLORS["decode"],
-        meta="decode",
-        hovertemplate=hover,
-    )
-    fig.add_scatter(
-        x=x,
-        y=[s.batch_size for s in steps],
-        name="requests in the step",
-        mode="lines",
-        line={"color": "#111827", "width": 1.5, "shape": "hv"},
-        secondary_y=True,
-        hovertemplate="step %{x}<br>batch %{y} requests<extra></extra>",
-    )
+    traces: list[dict] = [
+        {"type": "bar", "x": x, "y": [s.num_prefill_tokens for s in steps],
+         "name": "prefill tokens", "marker": {"color": KIND_COLORS["prefill"]},
+         "meta": "prefill", "hovertemplate": hover},
+        {"type": "bar", "x": x, "y": [s.num_decode_tokens for s in steps],
+         "name": "decode tokens", "marker": {"color": KIND_COLORS["decode"]},
+         "meta": "decode", "hovertemplate": hover},
+        {"type": "scatter", "x": x, "y": [s.batch_size for s in steps], "yaxis": "y2",
+         "name": "requests in the step", "mode": "lines",
+         "line": {"color": "#111827", "width": 1.5, "shape": "hv"},
+         "hovertemplate": "step %{x}<br>batch %{y} requests<extra></extra>"},
+    ]  # fmt: skip
     preempted = [s for s in steps if s.num_preemptions]
     if preempted:
-        fig.add_scatter(
-            x=[s.step_index for s in preempted],
-            y=[s.batch_size for s in preempted],
-            mode="markers",
-            name="preemption",
-            secondary_y=True,
-            marker={"symbol": "x", "size": 9, "color": "#dc2626"},
-        )
-    fig.update_layout(barmode="stack", bargap=0.05)
-    fig.update_xaxes(title_text="engine step")
-    fig.update_yaxes(title_text="tokens in the step", secondary_y=False)
-    fig.update_yaxes(title_text="requests", secondary_y=True, rangemode="tozero")
+        traces.append(
+            {"type": "scatter", "x": [s.step_index for s in preempted],
+             "y": [s.batch_size for s in preempted], "yaxis": "y2", "mode": "markers",
+             "name": "preemption", "marker": {"symbol": "x", "size": 9, "color": "#dc2626"}}
+        )  # fmt: skip
+    layout = {
+        "barmode": "stack",
+        "bargap": 0.05,
+        "xaxis": {"title": {"text": "engine step"}},
+        "yaxis": {"title": {"text": "tokens in the step"}},
+        "yaxis2": {"title": {"text": "requests"}, "overlaying": "y", "side": "right",
+                   "rangemode": "tozero", "showgrid": False},
+    }  # fmt: skip
+    fig = go.Figure(data=traces, layout=layout)
     return base_layout(fig, f"Batch composition of the last {len(steps)} steps", height=300)
 
 

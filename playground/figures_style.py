@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 
 import plotly.graph_objects as go
+import plotly.io as pio
 
 # One color per step kind / segment, used by every chart so a reader learns them once.
 KIND_COLORS = {
@@ -58,6 +59,10 @@ def tint(hex_color: str, amount: float = 0.65) -> str:
     return f"#{r:02x}{g:02x}{b:02x}"
 
 
+# Looked up once: update_layout(template="plotly_white") would resolve and copy it per call.
+_TEMPLATE = pio.templates["plotly_white"]
+
+
 def base_layout(fig: go.Figure, title: str | None = None, height: int = 320) -> go.Figure:
     fig.update_layout(
         # The title sits at the very top, the legend just above the plot area under it.
@@ -74,7 +79,7 @@ def base_layout(fig: go.Figure, title: str | None = None, height: int = 320) -> 
         else None,
         height=height,
         margin={"l": 55, "r": 20, "t": 75 if title else 30, "b": 45},
-        template="plotly_white",
+        template=_TEMPLATE,
         legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
         hoverlabel={"namelength": -1},
         uirevision="keep",  # keep zoom and hidden traces across timer refreshes
