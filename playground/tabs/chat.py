@@ -90,10 +90,15 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             gr.Warning(str(e))
             yield render(turns), turns, message, f"**Not sent:** {e}"
             return
+        session = request.session_hash or "anonymous"
+        if ctx.chats.get(session) is not None:
+            busy = "A reply is still streaming: wait for it or press Stop."
+            gr.Warning(busy)
+            yield gr.skip(), gr.skip(), gr.skip(), busy
+            return
         shown = [*turns, {"role": "user", "content": message}]
         yield render(shown, "", "waiting for the engine"), turns, "", ""
         prompt = prompt_for(service, build_messages(system_prompt or "", turns, message))
-        session = request.session_hash or "anonymous"
         last = None
         try:
             async for out in stream_reply(service, prompt, params, ctx.chats, session):
