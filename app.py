@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share", action="store_true", help="also open a public Gradio share link")
     p.add_argument("--max-model-len", type=int, default=None, help="context cap in tokens")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: fraction of device memory for weights + KV (leave room for the Compare "
+        "tab's engines with big models)",
+    )
     return p
 
 
@@ -52,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
         service = EngineService(config)
     except ValueError as e:
