@@ -61,20 +61,23 @@ def latency_view(stats: EngineStats, window: str, now: float | None = None) -> L
     else:
         md = (
             f"**{len(finished) - aborted}** finished requests ({aborted} aborted, left out) in "
-            f"the {window} window; the engine keeps the last {len(stats.finished)}. TTFT counts "
+            f"the {window} window ({len(stats.finished)} in the engine's history). TTFT counts "
             "from arrival in the engine; TPOT = (last token - first token) / (tokens - 1); ITL "
             "pools every gap between consecutive tokens."
         )
+    throughput = throughput_figure(
+        steps,
+        start,
+        bin_s,
+        "Engine throughput (prefill + decode tokens/s)",
+        x_shift_s=start - now,
+        x_title="seconds ago (0 = now)",
+    )
+    if steps:  # the axis runs up to now, so an idle stretch shows as one
+        throughput.update_xaxes(range=[start - now, 0])
     return LatencyView(
         summary_md=md,
         cdfs=cdf_figure({k: {"engine": v} for k, v in values.items()}, "Latency CDFs"),
         table=summary_table(values),
-        throughput=throughput_figure(
-            steps,
-            start,
-            bin_s,
-            "Engine throughput (prefill + decode tokens/s)",
-            x_shift_s=start - now,
-            x_title="seconds ago (0 = now)",
-        ),
+        throughput=throughput,
     )

@@ -79,7 +79,7 @@ def _live(ctx: AppContext, run: BackgroundRun) -> tuple:
             t0,
             bin_s,
             "Engine tokens/s (all requests, chat included)",
-            x_title="seconds since the test started",
+            x_title="seconds since the run started",
         ),
         queue_depth_figure(steps, t0, "Running and waiting requests"),
         gantt_figure(run.results, t0, "Per-request timeline: queue, prefill, decode"),
