@@ -28,6 +28,16 @@ def kv_cache_shape(
     return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode requests [start, end) of the step, gathered together (torch backend)."""
+
+    start: int
+    end: int
+    gather_index: torch.Tensor  # [Hkv * n * nb] cache rows: each request's nb blocks, padded
+    ctx_mask: torch.Tensor  # [n, nb * bs] bool: which gathered positions are real context
+
+
 @dataclass
 class AttentionMetadata:
     backend: str  # "torch" | "triton"
@@ -44,10 +54,9 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None  # triton: [Bp + 1] int32, from 0
     # --- torch backend only (indices into the head-major cache, see attention_torch.py) ---
     store_index: torch.Tensor | None = None  # [Hkv * T] rows where the new K/V go
-    # Each decode request's blocks, padded to nb blocks: [Hkv * Bd * nb] rows to gather,
-    # and which of the gathered nb * bs positions are real: [Bd, nb * bs] bool.
-    decode_gather_index: torch.Tensor | None = None
-    decode_ctx_mask: torch.Tensor | None = None
+    # Decode requests sorted by context length and split into groups, each padded only to
+    # its own longest context (see split_by_length).
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     # Per prefill request, [Hkv * nb] rows of its cached context; None when the whole context
     # is new in this step (attention then reads the new K/V directly).
     prefill_gather_index: list[torch.Tensor | None] = field(default_factory=list)

@@ -24,6 +24,38 @@ def store_rows(slots: torch.Tensor, num_kv_heads: int, num_slots: int) -> torch.
     return (heads + slots[None, :]).flatten()
 
 
+# What one more decode group costs per layer (a few extra small ops), in gathered tokens:
+# measured ~60 us per group vs ~0.1 us per gathered token on a 2-core CPU; rounded up.
+GROUP_OVERHEAD_TOKENS = 1024
+MAX_DECODE_GROUPS = 4
+
+
+def split_by_length(
+    lengths: list[int], overhead_tokens: int = GROUP_OVERHEAD_TOKENS,
+    max_groups: int = MAX_DECODE_GROUPS,
+) -> list[tuple[int, int]]:  # fmt: skip
+    """Split sorted context lengths into groups [start, end) to cut padding.
+
+    A group gathers n x (its longest context) tokens. Greedily take the split that saves the
+    most padded tokens while it saves more than a group's overhead.
+    """
+    groups = [(0, len(lengths))]
+    while len(groups) < max_groups:
+        best_saving, best = 0, None
+        for gi, (i, j) in enumerate(groups):
+            for k in range(i + 1, j):
+                # Rows [i, k) now pad to lengths[k - 1] instead of lengths[j - 1].
+                saving = (k - i) * (lengths[j - 1] - lengths[k - 1])
+                if saving > best_saving:
+                    best_saving, best = saving, (gi, k)
+        if best is None or best_saving <= overhead_tokens:
+            break
+        gi, k = best
+        i, j = groups[gi]
+        groups[gi : gi + 1] = [(i, k), (k, j)]
+    return groups
+
+
 def gather_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
     """Rows of the [Hkv * num_blocks, bs * D] cache view for each (head, block): [Hkv * n]."""
     heads = torch.arange(num_kv_heads, device=block_ids.device)[:, None] * num_blocks
@@ -37,13 +69,15 @@ def torch_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) ->
     k_cache.view(-1, head_dim).index_copy_(0, meta.store_index, k.transpose(0, 1).flatten(0, 1))
     v_cache.view(-1, head_dim).index_copy_(0, meta.store_index, v.transpose(0, 1).flatten(0, 1))
     out = torch.empty_like(q)
-    nd = meta.num_decode_tokens
-    if nd:
-        k_ctx, v_ctx = _gather(kv_cache, meta.decode_gather_index, meta.workspace)
-        k_ctx = k_ctx.view(num_kv_heads, nd, -1, head_dim)  # [Hkv, Bd, L, D]
-        v_ctx = v_ctx.view(num_kv_heads, nd, -1, head_dim)
-        out[:nd] = decode_attention(q[:nd], k_ctx, v_ctx, meta.decode_ctx_mask, scale)
-    start = nd
+    for group in meta.decode_groups:
+        n = group.end - group.start
+        k_ctx, v_ctx = _gather(kv_cache, group.gather_index, meta.workspace)
+        k_ctx = k_ctx.view(num_kv_heads, n, -1, head_dim)  # [Hkv, n, L, D]
+        v_ctx = v_ctx.view(num_kv_heads, n, -1, head_dim)
+        out[group.start : group.end] = decode_attention(
+            q[group.start : group.end], k_ctx, v_ctx, group.ctx_mask, scale
+        )
+    start = meta.num_decode_tokens
     for q_len, ctx_len, rows in zip(
         meta.prefill_q_lens, meta.prefill_ctx_lens, meta.prefill_gather_index, strict=True
     ):

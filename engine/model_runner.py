@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, kv_cache_shape
-from engine.attention_torch import gather_rows, store_rows
+from engine.attention import AttentionMetadata, DecodeGroup, kv_cache_shape
+from engine.attention_torch import gather_rows, split_by_length, store_rows
 from engine.block_manager import cdiv
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
@@ -161,6 +161,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns the sampled token of every request that reached its end."""
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        if self.backend == "torch":  # by context length, for split_by_length's groups
+            decodes.sort(key=lambda s: s.request.num_computed_tokens)
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -246,16 +248,18 @@ class ModelRunner:
         num_kv_heads, num_blocks = self.arch.num_kv_heads, self.kv_spec.num_blocks
         meta.store_index = store_rows(meta.slot_mapping, num_kv_heads, num_blocks * bs)
         most_rows = 0  # the largest gather of the step sizes the workspace
-        if decodes:
-            seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
-            tables = _pad_tables([s.block_table for s in decodes], cdiv(max(seq_lens), bs), dev)
-            meta.decode_gather_index = gather_rows(
-                tables.flatten().long(), num_kv_heads, num_blocks
-            )
-            pos = torch.arange(tables.shape[1] * bs, device=dev)
-            lens = torch.tensor(seq_lens, device=dev)
-            meta.decode_ctx_mask = pos[None, :] < lens[:, None]
-            most_rows = meta.decode_gather_index.numel()
+        seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
+        for start, end in split_by_length(seq_lens) if decodes else []:
+            width = cdiv(seq_lens[end - 1], bs)  # blocks of the group's longest context
+            tables = _pad_tables([s.block_table for s in decodes[start:end]], width, dev)
+            pos = torch.arange(width * bs, device=dev)
+            lens = torch.tensor(seq_lens[start:end], device=dev)
+            group = DecodeGroup(
+                start, end, gather_rows(tables.flatten().long(), num_kv_heads, num_blocks),
+                pos[None, :] < lens[:, None],
+            )  # fmt: skip
+            meta.decode_groups.append(group)
+            most_rows = max(most_rows, group.gather_index.numel())
         for s, ctx_len in zip(prefills, meta.prefill_ctx_lens, strict=True):
             rows = None
             if ctx_len > s.num_new_tokens:

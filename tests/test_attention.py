@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.attention_torch import gather_rows, store_rows, torch_attention
+from engine.attention import AttentionMetadata, DecodeGroup
+from engine.attention_torch import gather_rows, split_by_length, store_rows, torch_attention
 from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM = 64, 16, 3, 3, 64
@@ -54,11 +56,17 @@ def test_decode_matches_reference(dtype, tol):
 
     pos = torch.arange(tables.shape[1] * BLOCK_SIZE)
     meta = AttentionMetadata(
-        backend="torch", slot_mapping=slots, num_decode_tokens=batch,
+        backend="torch",
+        slot_mapping=slots,
+        num_decode_tokens=batch,
         store_index=store_rows(slots, NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE),
-        decode_gather_index=gather_rows(tables.flatten(), NUM_KV_HEADS, NUM_BLOCKS),
-        decode_ctx_mask=pos[None, :] < lens[:, None],
-    )  # fmt: skip
+    )
+    # Two groups (as split_by_length would make for these lengths), each padded to its own max.
+    for start, end in [(0, 2), (2, 4)]:
+        width = -(-seq_lens[end - 1] // BLOCK_SIZE)
+        rows = gather_rows(tables[start:end, :width].flatten(), NUM_KV_HEADS, NUM_BLOCKS)
+        mask = pos[None, : width * BLOCK_SIZE] < lens[start:end, None]
+        meta.decode_groups.append(DecodeGroup(start, end, rows, mask))
     out = torch_attention(q, new_k, new_v, head_major, meta, scale)
     assert _rel_err(out, expected) < tol
     # The engine's store wrote the same cache contents as the reference layout holds.
@@ -95,3 +103,14 @@ def test_chunked_prefill_matches_reference(dtype, tol):
     )  # fmt: skip
     out = torch_attention(q, k, v, head_major, meta, scale)
     assert _rel_err(out, expected) < tol
+
+
+def test_split_by_length_cuts_padding_only_when_it_pays():
+    assert split_by_length([100] * 10) == [(0, 10)]  # nothing to save
+    assert split_by_length([10, 11, 12, 13]) == [(0, 4)]  # too little to save
+    lengths = [20] * 30 + [500] * 30  # padding the short ones to 500 wastes 14,400 tokens
+    assert split_by_length(lengths) == [(0, 30), (30, 60)]
+    many = sorted([16 * (i % 40) + 1 for i in range(64)])
+    groups = split_by_length(many, max_groups=4)
+    assert len(groups) <= 4 and groups[0][0] == 0 and groups[-1][1] == 64
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
