@@ -95,6 +95,10 @@ class EngineService:
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self.metrics_registry = self.engine.metrics_registry
+        # What the UI's roofline and KV calculator need, without reaching into the engine.
+        self.model_shape = self.engine.shape  # ModelShape: layers, heads, widths, bytes/param
+        self.device = self.engine.runner.device.type  # "cpu" | "cuda" (resolved)
+        self.dtype = str(self.engine.runner.dtype).removeprefix("torch.")  # e.g. "bfloat16"
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = threading.Event()

@@ -1,17 +1,11 @@
-"""What the UI needs to know about the loaded engine that EngineService does not expose yet.
-
-EngineService offers submit / stats / snapshots, but not the model's shape, the resolved
-device or the weight dtype. The roofline and the KV calculator need them, so this is the one
-place the playground reads them off `service.engine` (plain attributes, no tensors). When the
-service grows a public accessor, only this file changes.
-"""
+"""What the UI needs to know about the loaded engine, gathered from EngineService's public
+attributes in one place (model shape, resolved device and dtype, KV pool, scheduling)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from engine.device_ceilings import dtype_name
 from engine.metrics import ModelShape
 
 
@@ -32,15 +26,13 @@ class EngineInfo:
 
 
 def engine_info(service: Any) -> EngineInfo:
-    engine = service.engine
-    runner = engine.runner
     stats = service.stats()
     config = service.config
     return EngineInfo(
         model_name=service.model_name,
-        device=str(runner.device.type),
-        dtype=dtype_name(runner.dtype),
-        shape=engine.shape,
+        device=service.device,
+        dtype=service.dtype,
+        shape=service.model_shape,
         max_model_len=service.max_model_len,
         block_size=stats.block_size,
         num_kv_blocks=stats.num_kv_blocks,
