@@ -1,4 +1,7 @@
-"""What every tab gets: the engine client and the few shared helpers (no global state)."""
+"""What every tab gets: the engine client and the few shared helpers (no global state).
+
+Two modes: over our in-process engine (`service` and `info` set), or, in remote mode, over an
+OpenAI-compatible server (`remote` set, no engine loaded: `service` and `info` are None)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from engine.config import EngineConfig
 from playground.engine_info import EngineInfo, engine_info
 from playground.handlers_chat import ActiveRequests
 from playground.handlers_roofline import CeilingsProvider
+from playground.loadgen_targets import EngineTarget, OpenAITarget, Target
+from playground.remote_client import LazyTokenizer, RemoteServer
 
 
 def _new_service(config: EngineConfig) -> Any:
@@ -20,12 +25,14 @@ def _new_service(config: EngineConfig) -> Any:
 
 @dataclass
 class AppContext:
-    service: Any  # the EngineService every tab shares
-    info: EngineInfo
+    service: Any  # the EngineService every tab shares (None in remote mode)
+    info: EngineInfo | None  # None in remote mode
     chats: ActiveRequests = field(default_factory=ActiveRequests)
     ceilings: CeilingsProvider | None = None
     # Builds the throw-away engines of the Compare tab (tests may substitute a smaller one).
     make_service: Callable[[EngineConfig], Any] = _new_service
+    remote: RemoteServer | None = None  # remote mode: the OpenAI-compatible server
+    tokenizer: LazyTokenizer | None = None  # remote mode: builds load-test prompts
 
     @classmethod
     def for_service(cls, service: Any, **kwargs: Any) -> AppContext:
@@ -34,3 +41,32 @@ class AppContext:
         if ctx.ceilings is None:
             ctx.ceilings = CeilingsProvider(info.device)
         return ctx
+
+    @classmethod
+    def for_remote(cls, remote: RemoteServer) -> AppContext:
+        # The roofline offers datasheet roofs only: this machine's ceilings say nothing about
+        # the server's, so the "cpu" provider is never asked to measure.
+        return cls(
+            service=None,
+            info=None,
+            ceilings=CeilingsProvider("cpu"),
+            remote=remote,
+            tokenizer=LazyTokenizer(remote.tokenizer_name or remote.model),
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.remote.model if self.remote is not None else self.info.model_name
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Tokens; None when a remote server does not report it."""
+        return self.remote.max_model_len if self.remote is not None else self.info.max_model_len
+
+    def load_test_target(self) -> Target:
+        """Where the Load test tab sends its workload. Remote mode loads the tokenizer on first
+        use (seconds; call it off the event loop); ValueError when it cannot."""
+        if self.remote is None:
+            return EngineTarget(self.service)
+        r = self.remote
+        return OpenAITarget(r.base_url, r.model, r.api_key, tokenizer=self.tokenizer.get())

@@ -1,11 +1,15 @@
 """Chat logic: sampling form -> SamplingParams, conversation -> chat template -> engine stream,
-per-reply metrics, and the per-session registry the Stop button aborts through."""
+per-reply metrics, and the per-session registry the Stop button aborts through.
+
+The tab streams ChatReply updates from a backend: EngineChat here (the in-process engine), or
+handlers_chat_remote.RemoteChat (an OpenAI-compatible server, in remote mode)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from engine import SamplingParams
@@ -93,22 +97,23 @@ def render(turns: Sequence[Turn], streaming: str | None = None, live: str = "") 
 
 
 class ActiveRequests:
-    """Which request each browser session is streaming, so Stop aborts the right one."""
+    """Which request each browser session is streaming, so Stop aborts the right one. A handle
+    is the engine's request id (local) or the remote_client.ChatStream (remote mode)."""
 
     def __init__(self) -> None:
-        self._by_session: dict[str, str] = {}
+        self._by_session: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def set(self, session: str, request_id: str) -> None:
+    def set(self, session: str, handle: Any) -> None:
         with self._lock:
-            self._by_session[session] = request_id
+            self._by_session[session] = handle
 
-    def clear(self, session: str, request_id: str) -> None:
+    def clear(self, session: str, handle: Any) -> None:
         with self._lock:
-            if self._by_session.get(session) == request_id:
+            if self._by_session.get(session) == handle:
                 del self._by_session[session]
 
-    def get(self, session: str) -> str | None:
+    def get(self, session: str) -> Any | None:
         with self._lock:
             return self._by_session.get(session)
 
@@ -137,3 +142,56 @@ async def stream_reply(
         active.clear(session, stream.request_id)
         if not finished:
             service.abort(stream.request_id)
+
+
+NOTHING_TO_STOP = "Nothing to stop: no reply is streaming."
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    """One update of a streaming reply, whichever backend produced it."""
+
+    request_id: str | None
+    text: str  # the reply so far
+    progress: str  # "12 tokens" (engine) or "5 chunks" (remote), for the live line
+    finished: bool
+    stopped: bool  # aborted by Stop (or by the page going away)
+    error: str | None
+    stats: str  # the metrics line under a finished reply ("" while streaming)
+
+
+class EngineChat:
+    """Chat with the in-process engine: its chat template, its own per-request metrics."""
+
+    waiting = "waiting for the engine"
+    error_label = "Engine error"
+
+    def __init__(self, service: Any, active: ActiveRequests) -> None:
+        self.service = service
+        self.active = active
+
+    async def replies(
+        self, messages: list[dict], params: SamplingParams, session: str
+    ) -> AsyncIterator[ChatReply]:
+        prompt = prompt_for(self.service, messages)
+        async for out in stream_reply(self.service, prompt, params, self.active, session):
+            n = len(out.token_ids)
+            yield ChatReply(
+                out.request_id,
+                out.text,
+                f"{n} tokens",
+                out.finished,
+                out.finish_reason == "abort",
+                out.error,
+                stats_line(out.metrics, n, out.finish_reason) if out.finished else "",
+            )
+
+    def stopped_message(self, request_id: str | None) -> str:
+        return f"Stopped {request_id}: the engine freed its KV blocks at once."
+
+    def stop(self, session: str) -> str:
+        request_id = self.active.get(session)
+        if request_id is None:
+            return NOTHING_TO_STOP
+        self.service.abort(request_id)
+        return self.stopped_message(request_id)

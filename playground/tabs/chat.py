@@ -1,5 +1,6 @@
 """Chat tab: streaming chat with a system prompt and sampling controls, a Stop button, and each
-reply's TTFT / TPOT / tokens/s under it. Every browser tab shares the one engine."""
+reply's TTFT / TPOT / tokens/s under it. Every browser tab shares the one engine (or, in remote
+mode, the one OpenAI-compatible server)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,26 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers_chat import (
-    build_messages,
-    prompt_for,
-    render,
-    sampling_params,
-    stats_line,
-    stream_reply,
-)
+from playground.handlers_chat import EngineChat, build_messages, render, sampling_params
+from playground.handlers_chat_remote import RemoteChat
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
 
-
-def stopped_message(request_id: str) -> str:
-    return f"Stopped {request_id}: the engine freed its KV blocks at once."
+ENGINE_NOTE = (
+    "Under each reply: **TTFT** (time to first token, from arrival in the engine), "
+    "**TPOT** (mean time per later token), output tokens per second of end-to-end "
+    "time, and the token count. Open this page in several browser tabs and chat at "
+    "once: they share one engine, and the Engine tab shows their requests batched "
+    "together in the same steps."
+)
+REMOTE_NOTE = (
+    "Replies stream from `{url}` (POST /v1/chat/completions; the server applies its chat "
+    "template). Under each reply, **measured by the client** (this playground, over HTTP): "
+    "**TTFT** from sending the request to the first content chunk (network, queueing and "
+    "prefill together), **TPOT** = (end-to-end - TTFT) / (tokens - 1), output tokens per "
+    "second of end-to-end time, and the token count from the server's usage report. Top-k is "
+    "sent as vLLM's `top_k` extension. **Stop** closes the stream."
+)
 
 
 def create_ui(ctx: AppContext) -> SimpleNamespace:
@@ -29,7 +36,7 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     with gr.Row():
         with gr.Column(scale=3):
             ui.chatbot = gr.Chatbot(
-                label=f"Chat with {ctx.info.model_name}",
+                label=f"Chat with {ctx.remote.label if ctx.remote else ctx.info.model_name}",
                 height=460,
                 elem_id="chatbot",
                 buttons=["copy"],
@@ -54,19 +61,16 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             ui.max_tokens = gr.Slider(1, 1024, 256, step=1, label="Max new tokens")
             ui.seed = gr.Number(-1, label="Seed (-1 = random)", precision=0)
             ui.clear = gr.Button("Clear conversation")
-            gr.Markdown(
-                "Under each reply: **TTFT** (time to first token, from arrival in the engine), "
-                "**TPOT** (mean time per later token), output tokens per second of end-to-end "
-                "time, and the token count. Open this page in several browser tabs and chat at "
-                "once: they share one engine, and the Engine tab shows their requests batched "
-                "together in the same steps."
-            )
+            gr.Markdown(REMOTE_NOTE.format(url=ctx.remote.base_url) if ctx.remote else ENGINE_NOTE)
     ui.turns = gr.State([])
     return ui
 
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
-    service = ctx.service
+    if ctx.remote is not None:
+        backend = RemoteChat(ctx.remote, ctx.chats)
+    else:
+        backend = EngineChat(ctx.service, ctx.chats)
 
     async def respond(
         message,
@@ -97,15 +101,15 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             yield gr.skip(), gr.skip(), gr.skip(), busy
             return
         shown = [*turns, {"role": "user", "content": message}]
-        yield render(shown, "", "waiting for the engine"), turns, "", ""
-        prompt = prompt_for(service, build_messages(system_prompt or "", turns, message))
+        yield render(shown, "", backend.waiting), turns, "", ""
+        messages = build_messages(system_prompt or "", turns, message)
         last = None
         try:
-            async for out in stream_reply(service, prompt, params, ctx.chats, session):
-                last = out
-                if not out.finished:
-                    live = f"{out.request_id} · streaming · {len(out.token_ids)} tokens"
-                    yield render(shown, out.text, live), turns, "", gr.skip()
+            async for reply in backend.replies(messages, params, session):
+                last = reply
+                if not reply.finished:
+                    live = f"{reply.request_id or 'reply'} · streaming · {reply.progress}"
+                    yield render(shown, reply.text, live), turns, "", gr.skip()
         except (ValueError, RuntimeError) as e:  # refused (too long, ...) or shutting down
             gr.Warning(str(e))
             yield render(turns), turns, message, f"**Not sent:** {e}"
@@ -113,28 +117,22 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         if last is None:
             yield render(turns), turns, message, "**No reply:** the stream ended without output."
             return
-        text = last.text or (
-            "(stopped before the first token)" if last.finish_reason == "abort" else ""
-        )
-        reply = {
-            "role": "assistant",
-            "content": text,
-            "stats": stats_line(last.metrics, len(last.token_ids), last.finish_reason),
-        }
+        if last.error and not last.text:  # refused by the server (HTTP 400, ...): not sent
+            gr.Warning(last.error)
+            yield render(turns), turns, message, f"**{backend.error_label}:** {last.error}"
+            return
+        text = last.text or ("(stopped before the first token)" if last.stopped else "")
+        turn = {"role": "assistant", "content": text, "stats": last.stats}
         status = ""
         if last.error:
-            status = f"**Engine error:** {last.error}"
-        elif last.finish_reason == "abort":
-            status = stopped_message(last.request_id)
-        new_turns = [*shown, reply]
+            status = f"**{backend.error_label}:** {last.error}"
+        elif last.stopped:
+            status = backend.stopped_message(last.request_id)
+        new_turns = [*shown, turn]
         yield render(new_turns), new_turns, "", status
 
     def stop(request: gr.Request) -> str:
-        request_id = ctx.chats.get(request.session_hash or "anonymous")
-        if request_id is None:
-            return "Nothing to stop: no reply is streaming."
-        service.abort(request_id)
-        return stopped_message(request_id)
+        return backend.stop(request.session_hash or "anonymous")
 
     inputs = [
         ui.message,
@@ -147,7 +145,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ui.seed,
     ]
     outputs = [ui.chatbot, ui.turns, ui.message, ui.status]
-    # No concurrency limit: replies stream from the engine without holding a worker thread,
+    # No concurrency limit: replies stream without holding a worker thread,
     # and every open browser tab must be able to chat at the same time.
     chat_args = {
         "fn": respond,
