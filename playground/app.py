@@ -1,6 +1,7 @@
-"""The playground: one gr.Blocks with a tab per concept, over one EngineService.
+"""The playground: one gr.Blocks with a tab per concept, over one EngineService, or in remote
+mode over an OpenAI-compatible server (no engine loaded).
 
-demo = build_app(service)
+demo = build_app(service)                                  # or build_app(remote=RemoteServer)
 launch(demo, host="127.0.0.1", port=7860)
 """
 
@@ -14,7 +15,18 @@ import gradio as gr
 
 from playground.context import AppContext
 from playground.engine_info import describe
-from playground.tabs import chat, compare, engine_live, kv_calculator, latency, load_test, roofline
+from playground.remote_client import RemoteServer
+from playground.tabs import (
+    chat,
+    compare,
+    compare_remote,
+    engine_live,
+    kv_calculator,
+    latency,
+    load_test,
+    needs_engine,
+    roofline,
+)
 
 CSS_PATH = Path(__file__).with_name("theme.css")
 
@@ -28,20 +40,51 @@ TABS = (
     ("Compare", compare, "tab-compare"),
     ("KV calculator", kv_calculator, "tab-kv"),
 )
+# Remote mode: the same tabs; those that read our engine's telemetry say why they are empty.
+REMOTE_TABS = (
+    ("Chat", chat, "tab-chat"),
+    ("Engine (live)", needs_engine.ENGINE_LIVE, "tab-engine"),
+    ("Roofline", roofline, "tab-roofline"),
+    ("Latency", needs_engine.LATENCY, "tab-latency"),
+    ("Load test", load_test, "tab-loadtest"),
+    ("Compare", compare_remote, "tab-compare"),
+    ("KV calculator", kv_calculator, "tab-kv"),
+)
+
+
+def describe_remote(remote: RemoteServer) -> str:
+    length = f"max_model_len {remote.max_model_len}" if remote.max_model_len else "max_model_len?"
+    return (
+        f"**{remote.model}** served by `{remote.base_url}` (remote mode, OpenAI API) · {length} "
+        "· chat, load test and compare are measured by this client; the engine tabs need our "
+        "engine"
+    )
 
 
 def build_app(
-    service: Any, *, make_service: Callable[[Any], Any] | None = None, title: str | None = None
+    service: Any = None,
+    *,
+    remote: RemoteServer | None = None,
+    make_service: Callable[[Any], Any] | None = None,
+    title: str | None = None,
 ) -> gr.Blocks:
-    """The whole UI over `service` (an EngineService). make_service builds the Compare tab's
-    engines from an EngineConfig (default: EngineService)."""
-    extra = {"make_service": make_service} if make_service is not None else {}
-    ctx = AppContext.for_service(service, **extra)
+    """The whole UI over `service` (an EngineService), or over `remote` (an OpenAI-compatible
+    server; no engine). make_service builds the Compare tab's engines from an EngineConfig
+    (default: EngineService)."""
+    if (service is None) == (remote is None):
+        raise ValueError("build_app: give either an EngineService or a RemoteServer")
+    if remote is not None:
+        ctx = AppContext.for_remote(remote)
+        header, tabs = describe_remote(remote), REMOTE_TABS
+    else:
+        extra = {"make_service": make_service} if make_service is not None else {}
+        ctx = AppContext.for_service(service, **extra)
+        header, tabs = describe(ctx.info), TABS
     with gr.Blocks(title=title or "Inference playground", analytics_enabled=False) as demo:
-        gr.Markdown(f"# Inference playground\n{describe(ctx.info)}", elem_id="header")
+        gr.Markdown(f"# Inference playground\n{header}", elem_id="header")
         uis = []
         with gr.Tabs():
-            for label, module, elem_id in TABS:
+            for label, module, elem_id in tabs:
                 with gr.Tab(label, elem_id=elem_id) as tab:
                     ui = module.create_ui(ctx)
                 ui.tab = tab

@@ -164,11 +164,20 @@ def queue_depth_figure(
     return base_layout(fig, title, height=280)
 
 
+# Client-only names (remote servers report no queue time): what the client saw, nothing more.
+CLIENT_SEGMENTS = {"prefill": "send → first token", "decode": "first token → end"}
+
+
 def gantt_figure(
-    results: Sequence[RequestResult], t0: float, title: str | None = None, max_rows: int = 400
+    results: Sequence[RequestResult],
+    t0: float,
+    title: str | None = None,
+    max_rows: int = 400,
+    client_only: bool = False,
 ) -> go.Figure:
     """One row per request: queue (engine waiting queue), prefill (scheduled -> first token),
-    decode (first token -> last token). Times are seconds after t0 (the test's start)."""
+    decode (first token -> last token). Times are seconds after t0 (the test's start).
+    client_only (a remote server): no queue segment; send -> first token -> end."""
     results = sorted(results, key=lambda r: r.index)[:max_rows]
     if not results:
         return empty_figure("No finished request yet.", title)
@@ -189,21 +198,23 @@ def gantt_figure(
             add("failed", r.index, r.send_time, r.end_time)
             continue
         scheduled = r.send_time + (r.queue_s or 0.0)
-        add("queue", r.index, r.send_time, scheduled)
+        if not client_only:
+            add("queue", r.index, r.send_time, scheduled)
         add("prefill", r.index, scheduled, r.first_token_time)
         add("decode", r.index, r.first_token_time or scheduled, r.end_time)
     fig = go.Figure()
     for name, (rows, bases, lengths) in segments.items():
         if not rows:
             continue
+        shown = CLIENT_SEGMENTS.get(name, name) if client_only else name
         fig.add_bar(
             y=rows,
             x=lengths,
             base=bases,
             orientation="h",
-            name=name,
+            name=shown,
             marker_color=SEGMENT_COLORS.get(name, FAILED_COLOR),
-            hovertemplate=f"request %{{y}}<br>{name}: %{{base:.2f}} s + %{{x:.3f}} s<extra></extra>",
+            hovertemplate=f"request %{{y}}<br>{shown}: %{{base:.2f}} s + %{{x:.3f}} s<extra></extra>",
         )
     fig.update_layout(barmode="overlay", bargap=0.15)
     fig.update_xaxes(title_text="seconds since the test started")

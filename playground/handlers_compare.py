@@ -142,7 +142,7 @@ class PeakPoller:
 class SideOutcome:
     name: str  # "A" or "B"
     label: str
-    config: EngineConfig
+    config: EngineConfig | None  # None: a remote server (handlers_compare_remote)
     result: LoadTestResult | None = None
     peak: BlockSnapshot | None = None
     steps: list[StepStats] = field(default_factory=list)
@@ -156,7 +156,7 @@ class BackgroundCompare:
     def __init__(
         self,
         spec: WorkloadSpec,
-        sides: list[tuple[str, str, EngineConfig]],
+        sides: list[tuple[str, str, EngineConfig | None]],
         requests: list[GenRequest],
         make_service: Callable[[EngineConfig], Any],
     ) -> None:
@@ -257,10 +257,12 @@ def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
     return m
 
 
-def compare_rows(a: SideOutcome, b: SideOutcome) -> list[list[str]]:
+def compare_rows(
+    a: SideOutcome, b: SideOutcome, which: tuple[tuple[str, str, str | None], ...] = COMPARE_ROWS
+) -> list[list[str]]:
     ma, mb = outcome_metrics(a), outcome_metrics(b)
     rows = []
-    for label, key, better in COMPARE_ROWS:
+    for label, key, better in which:
         va, vb = ma.get(key), mb.get(key)
         ratio = f"x{vb / va:.2f}" if isinstance(va, int | float) and va and vb is not None else "-"
         winner = ""

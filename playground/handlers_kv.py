@@ -71,8 +71,19 @@ def loaded_preset(info: EngineInfo) -> ModelPreset:
     )
 
 
-def preset_names() -> list[str]:
-    return [*MODEL_PRESETS, LOADED_MODEL]
+def preset_names(with_loaded: bool = True) -> list[str]:
+    """The model choices; no "loaded model" without an engine (remote mode)."""
+    return [*MODEL_PRESETS, LOADED_MODEL] if with_loaded else list(MODEL_PRESETS)
+
+
+def remote_pool_markdown(base_url: str) -> str:
+    """Remote mode: why the engine's real allocation is not beside the formula."""
+    return (
+        "**The loaded engine's real KV pool needs our engine.** Beside the formula, local mode "
+        "shows the pool our engine allocated (`EngineStats.kv_cache_bytes`); a remote OpenAI "
+        f"server (here `{base_url}`) does not report its KV pool over the API. The formula and "
+        "the presets above work the same."
+    )
 
 
 def resolve_preset(name: str, info: EngineInfo | None) -> ModelPreset:

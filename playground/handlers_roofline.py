@@ -81,19 +81,48 @@ def caption(ceilings: DeviceCeilings, dtype: str, steps: Sequence[StepStats], de
     return f"{points or 'No steps yet.'}\n\n{source}\n\n{HOW_TO_READ}"
 
 
+def _note(fig: go.Figure, text: str) -> None:
+    fig.add_annotation(
+        text=text,
+        x=0.5,
+        y=0.5,
+        xref="paper",
+        yref="paper",
+        showarrow=False,
+        font={"size": 14, "color": "#6b7280"},
+    )
+
+
 def roofline_view(
     provider: CeilingsProvider, choice: str, dtype: str, steps: Sequence[StepStats]
 ) -> tuple[go.Figure, str]:
     ceilings = provider.get(choice)
     fig = roofline_figure(ceilings, dtype, steps)
     if not any(s.flops > 0 and s.duration_s > 0 for s in steps):
-        fig.add_annotation(
-            text="No engine steps yet: send a message in Chat or run a load test.",
-            x=0.5,
-            y=0.5,
-            xref="paper",
-            yref="paper",
-            showarrow=False,
-            font={"size": 14, "color": "#6b7280"},
-        )
+        _note(fig, "No engine steps yet: send a message in Chat or run a load test.")
     return fig, caption(ceilings, dtype, steps, provider.device)
+
+
+REMOTE_DTYPE = "bfloat16"  # a remote server's weight dtype is unknown: bf16, the usual one
+NO_REMOTE_STEPS = (
+    "**The step points need our engine.** Where each step lands (its FLOPs, bytes moved and "
+    "time) is read from the engine's own telemetry; a remote OpenAI server does not expose it. "
+    "Run the playground with our engine (without `--base-url`) to see them. The roofs below "
+    "are datasheet values (bf16 peak)."
+)
+
+
+def remote_roofline_view(choice: str) -> tuple[go.Figure, str]:
+    """Remote mode: a datasheet roof with no points, and why there are none."""
+    if choice not in PRESETS:
+        raise ValueError(f"roof: pick one of {', '.join(PRESETS)}")
+    ceilings = PRESETS[choice]
+    fig = roofline_figure(ceilings, REMOTE_DTYPE, [])
+    _note(fig, "Step points need our engine's telemetry (remote mode).")
+    source = (
+        f"Roof: {ceilings.name}, {ceilings.source}. Ridge at "
+        f"{ceilings.ridge_point(REMOTE_DTYPE):.3g} FLOP/B "
+        f"(peak {fmt_si(ceilings.peak(REMOTE_DTYPE), 'FLOP/s')} / bandwidth "
+        f"{fmt_si(ceilings.bandwidth_bytes_per_s, 'B/s')})."
+    )
+    return fig, f"{NO_REMOTE_STEPS}\n\n{source}\n\n{HOW_TO_READ}"

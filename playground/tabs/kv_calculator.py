@@ -1,6 +1,6 @@
 """KV calculator tab: the KV-cache formula with model presets and MHA / GQA / MQA variants, a
 table over batch sizes and context lengths, memory bars against a GPU, and the loaded engine's
-real allocation beside the formula."""
+real allocation beside the formula (in remote mode, presets only: no engine is loaded)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from playground.handlers_kv import (
     formula_markdown,
     parse_inputs,
     preset_names,
+    remote_pool_markdown,
     table_rows,
 )
 
@@ -27,7 +28,11 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     ui = SimpleNamespace()
     with gr.Row():
         with gr.Column(scale=1, min_width=280):
-            ui.model = gr.Dropdown(preset_names(), value="Llama-3-8B (GQA)", label="Model")
+            ui.model = gr.Dropdown(
+                preset_names(with_loaded=ctx.info is not None),
+                value="Llama-3-8B (GQA)",
+                label="Model",
+            )
             ui.variant = gr.Radio(list(VARIANTS), value="as the model", label="Attention")
             ui.seq_len = gr.Number(4096, label="Context length (tokens per request)", precision=0)
             ui.batch = gr.Number(32, label="Batch size (concurrent requests)", precision=0)
@@ -63,8 +68,11 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             gr.Warning(str(e))
             return f"**Check the form:** {e}", gr.skip(), gr.skip(), gr.skip()
         headers, rows = table_rows(x)
-        engine_md = engine_pool_markdown(ctx.info, x.seq_len)
-        if model != LOADED_MODEL:
+        if ctx.info is None:
+            engine_md = remote_pool_markdown(ctx.remote.base_url if ctx.remote else "none")
+        else:
+            engine_md = engine_pool_markdown(ctx.info, x.seq_len)
+        if ctx.info is not None and model != LOADED_MODEL:
             engine_md = (
                 f"Pick **{LOADED_MODEL}** to put this engine's real KV pool beside the formula."
                 f"\n\n{engine_md}"

@@ -1,5 +1,7 @@
 """Load test tab: a seeded workload against the running engine (chat keeps working), with live
-charts, a `vllm bench serve`-style results table, a per-request timeline and a JSON download."""
+charts, a `vllm bench serve`-style results table, a per-request timeline and a JSON download.
+In remote mode the same form drives the OpenAI-compatible server through loadgen's OpenAITarget;
+the charts then show only what the client sees."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from playground.context import AppContext
 from playground.figures_latency import (
     gantt_figure,
     nice_bin_s,
+    output_rate_figure,
     queue_depth_figure,
     throughput_figure,
 )
+from playground.figures_style import empty_figure
 from playground.handlers_loadtest import (
     DEFAULT_WORKLOAD,
     WORKLOAD_FIELDS,
@@ -24,21 +28,33 @@ from playground.handlers_loadtest import (
     summary_rows,
     write_result_json,
 )
-from playground.loadgen import EngineTarget
 from playground.tabs.workload_form import workload_form
 
 POLL_S = 0.5  # how often the run's progress reaches the page
+ENGINE_INTRO = (
+    "Sends a seeded workload to the engine that is serving Chat right now (in-process, through "
+    "the same load generator as `python -m playground.loadgen`). Chat and the live tabs keep "
+    "working during the run."
+)
+REMOTE_INTRO = (
+    "Sends a seeded workload to `{url}` ({model}) through the same load generator as "
+    "`python -m playground.loadgen --base-url ...`: streaming POST /v1/completions with "
+    "token-id prompts built by the tokenizer `{tokenizer}` (it must be the served model's). "
+    "Every number is measured by the client; the server's queues are not visible from here."
+)
+NO_REMOTE_QUEUES = (
+    "Running / waiting queues are our engine's own telemetry: a remote OpenAI server does not "
+    "expose them."
+)
+ENGINE_GANTT = "Per-request timeline: queue, prefill, decode"
+REMOTE_GANTT = "Per-request timeline (client): send → first token → end"
 
 
 def create_ui(ctx: AppContext) -> SimpleNamespace:
     ui = SimpleNamespace()
     with gr.Row():
         with gr.Column(scale=2, min_width=360):
-            gr.Markdown(
-                "Sends a seeded workload to the engine that is serving Chat right now "
-                "(in-process, through the same load generator as `python -m playground.loadgen`"
-                "). Chat and the live tabs keep working during the run."
-            )
+            gr.Markdown(_intro(ctx))
             ui.form = workload_form(DEFAULT_WORKLOAD, WORKLOAD_FIELDS)
             with gr.Row():
                 ui.run = gr.Button("Run load test", variant="primary", elem_id="loadtest-run")
@@ -67,13 +83,29 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     return ui
 
 
+def _intro(ctx: AppContext) -> str:
+    if ctx.remote is None:
+        return ENGINE_INTRO
+    r = ctx.remote
+    return REMOTE_INTRO.format(url=r.base_url, model=r.model, tokenizer=ctx.tokenizer.name)
+
+
 def _live(ctx: AppContext, run: BackgroundRun) -> tuple:
     """Progress bar, charts and the timeline so far (built off the event loop)."""
-    steps = ctx.service.stats().steps
     bin_s = nice_bin_s(run.elapsed_s, 30)
     t0 = run.start_time
+    progress = progress_html(len(run.results), run.total, run.elapsed_s)
+    if ctx.remote is not None:  # what the client saw: tokens of finished requests only
+        title = "Output tokens/s seen by the client (finished requests)"
+        return (
+            progress,
+            output_rate_figure({"client": (t0, run.results)}, bin_s, title),
+            empty_figure(NO_REMOTE_QUEUES, "Running and waiting requests"),
+            gantt_figure(run.results, t0, REMOTE_GANTT, client_only=True),
+        )
+    steps = ctx.service.stats().steps
     return (
-        progress_html(len(run.results), run.total, run.elapsed_s),
+        progress,
         throughput_figure(
             steps,
             t0,
@@ -82,7 +114,7 @@ def _live(ctx: AppContext, run: BackgroundRun) -> tuple:
             x_title="seconds since the run started",
         ),
         queue_depth_figure(steps, t0, "Running and waiting requests"),
-        gantt_figure(run.results, t0, "Per-request timeline: queue, prefill, decode"),
+        gantt_figure(run.results, t0, ENGINE_GANTT),
     )
 
 
@@ -93,14 +125,16 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
     async def run_test(*values):
         skip = gr.skip()
         try:
-            spec = spec_from_form(dict(zip(names, values, strict=True)), ctx.info.max_model_len)
+            spec = spec_from_form(dict(zip(names, values, strict=True)), ctx.max_model_len)
+            target = await asyncio.to_thread(ctx.load_test_target)  # remote: loads a tokenizer
         except ValueError as e:
             gr.Warning(str(e))
             yield skip, f"**Not started:** {e}", skip, skip, skip, skip, skip
             return
-        run = BackgroundRun(spec, EngineTarget(ctx.service)).start()
+        run = BackgroundRun(spec, target).start()
         current["run"] = run
-        status = f"Running {spec.num_prompts} requests against {ctx.info.model_name}..."
+        where = ctx.remote.label if ctx.remote else ctx.model_name
+        status = f"Running {spec.num_prompts} requests against {where}..."
         hidden = gr.DownloadButton(visible=False)
         try:
             while not run.done.is_set():
@@ -118,8 +152,12 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         result = run.result
         summary = result.summary()
         progress, tput, queue, _ = await asyncio.to_thread(_live, ctx, run)
+        remote = ctx.remote is not None
         gantt = gantt_figure(
-            result.per_request, result.start_time, "Per-request timeline: queue, prefill, decode"
+            result.per_request,
+            result.start_time,
+            REMOTE_GANTT if remote else ENGINE_GANTT,
+            client_only=remote,
         )
         note = "stopped early; the table covers the requests that finished. " if run.stopped else ""
         status = (

@@ -1,5 +1,5 @@
 """Roofline tab: this device's measured roof (or a datasheet preset) on log-log axes with the
-engine's recent steps as points."""
+engine's recent steps as points. In remote mode: datasheet roofs only, and why no points."""
 
 from __future__ import annotations
 
@@ -8,12 +8,22 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers_roofline import HOW_TO_READ, MEASURED, roof_choices, roofline_view
+from playground.handlers_roofline import (
+    HOW_TO_READ,
+    MEASURED,
+    NO_REMOTE_STEPS,
+    PRESETS,
+    remote_roofline_view,
+    roof_choices,
+    roofline_view,
+)
 
 REFRESH_S = 2.0
 
 
 def create_ui(ctx: AppContext) -> SimpleNamespace:
+    if ctx.remote is not None:
+        return _create_remote_ui()
     ui = SimpleNamespace()
     with gr.Row():
         ui.roof = gr.Dropdown(roof_choices(), value=MEASURED, label="Roof", scale=2)
@@ -31,7 +41,35 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     return ui
 
 
+def _create_remote_ui() -> SimpleNamespace:
+    ui = SimpleNamespace()
+    presets = list(PRESETS)
+    with gr.Row():
+        ui.roof = gr.Dropdown(presets, value=presets[0], label="Roof (datasheet)", scale=2)
+        ui.refresh = gr.Button("Draw", scale=1)
+    ui.figure = gr.Plot(show_label=False, label="Roofline", elem_id="roofline-plot")
+    ui.caption = gr.Markdown(NO_REMOTE_STEPS, elem_id="roofline-caption")
+    return ui
+
+
+def _create_remote_handlers(ui: SimpleNamespace) -> None:
+    def draw(choice):
+        try:
+            return remote_roofline_view(choice)
+        except ValueError as e:
+            return gr.skip(), f"**Could not draw the roofline:** {e}"
+
+    outputs = [ui.figure, ui.caption]
+    common = {"concurrency_id": "roofline", "concurrency_limit": 2, "show_progress": "minimal"}
+    ui.refresh.click(draw, [ui.roof], outputs, api_name="roofline", **common)
+    ui.roof.change(draw, [ui.roof], outputs, api_visibility="private", **common)
+    ui.tab.select(draw, [ui.roof], outputs, api_visibility="private", **common)
+
+
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
+    if ctx.remote is not None:
+        _create_remote_handlers(ui)
+        return
     dtype = ctx.info.dtype
 
     def draw(choice, last_num_steps=None, auto=True, remeasure=False, force=True):
