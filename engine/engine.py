@@ -58,7 +58,6 @@ class LLMEngine:
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
             batching=config.batching,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
@@ -176,6 +175,11 @@ class LLMEngine:
                 out.error = error
                 outputs.append(out)
         return outputs
+
+    @property
+    def num_steps(self) -> int:
+        """Steps run since start-up."""
+        return self._num_steps
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -96,7 +96,6 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_preemptions: int = 0
-    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def queue_s(self) -> float | None:
@@ -152,10 +151,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose K/V are in the cache. A step schedules tokens [num_computed_tokens, ...).
     num_computed_tokens: int = 0
-    # Tokens of the prompt served from the prefix cache at the last admission.
-    num_cached_tokens: int = 0
     output_text: str = ""
-    # Incremental detokenization state: text before `read_offset` tokens has been emitted.
+    # Incremental detokenization state (engine/detokenizer.py sets it at admission).
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
     num_text_chars_sent: int = 0  # output_text already handed to the caller
@@ -165,8 +162,6 @@ class Request:
         self.metrics = RequestMetrics(
             arrival_time=self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids)
         )
-        self.detok_prefix_offset = len(self.prompt_token_ids)
-        self.detok_read_offset = len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -184,11 +179,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def is_prefill(self) -> bool:
-        """True while the request still has known tokens to compute (prompt or recompute)."""
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
 
     @property
     def finished(self) -> bool:

@@ -58,14 +58,12 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        max_model_len: int,
         batching: str = "continuous",
         enable_chunked_prefill: bool = True,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
         self.static = batching == "static"
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: collections.deque[Request] = collections.deque()

@@ -22,6 +22,9 @@ from engine.stats import EngineStats, RequestProgress
 
 logger = logging.getLogger(__name__)
 
+# How long after the last snapshot request the engine keeps publishing fresh ones.
+_WATCH_S = 3.0
+
 
 class RequestStream:
     """The deltas of one request. The engine thread pushes; one consumer pulls (sync or async)."""
@@ -104,6 +107,12 @@ class EngineService:
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # held by the engine thread while it steps
         self._stopping = False
+        # The latest (block map, queues) and the engine step count when they were taken.
+        self._published: tuple[tuple[BlockSnapshot, list[RequestProgress]] | None, int] = (
+            None,
+            0,
+        )
+        self._watch_until = 0.0  # publish snapshots after each step until then (monotonic s)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -134,12 +143,34 @@ class EngineService:
         return self.engine.stats()
 
     def block_snapshot(self) -> BlockSnapshot:
-        with self._lock:
-            return self.engine.block_snapshot()
+        """The block map, never more than one step old, without waiting for a long step."""
+        return self._snapshots()[0]
 
     def queue_snapshot(self) -> list[RequestProgress]:
-        with self._lock:
-            return self.engine.queue_snapshot()
+        return self._snapshots()[1]
+
+    def _snapshots(self) -> tuple[BlockSnapshot, list[RequestProgress]]:
+        # A CPU prefill step can take a second; rather than block the UI on the engine lock,
+        # ask the engine thread to publish snapshots after each step for a while, and serve
+        # the latest one. When the engine is idle the lock is free and the snapshot is fresh.
+        self._watch_until = time.monotonic() + _WATCH_S
+        if self._lock.acquire(blocking=False):
+            try:
+                self._publish_snapshots()
+            finally:
+                self._lock.release()
+        published, at_step = self._published
+        if published is None or at_step < self.engine.num_steps - 1:  # too old: wait a step
+            with self._lock:
+                self._publish_snapshots()
+                published, _ = self._published
+        assert published is not None
+        return published
+
+    def _publish_snapshots(self) -> None:
+        """Called with the lock held (the engine thread holds it while it steps)."""
+        snapshots = (self.engine.block_snapshot(), self.engine.queue_snapshot())
+        self._published = (snapshots, self.engine.num_steps)
 
     @property
     def is_running(self) -> bool:
@@ -167,6 +198,8 @@ class EngineService:
             try:
                 with self._lock:
                     outputs = self.engine.step()
+                    if time.monotonic() < self._watch_until:
+                        self._publish_snapshots()
             except Exception as exc:  # keep the thread alive; fail what was in flight
                 logger.exception("engine step failed")
                 with self._lock:

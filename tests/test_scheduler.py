@@ -23,9 +23,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 4, **params) -> Re
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, **kw) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, kw.pop("layout", "paged"), max_model_len=128)
-    return Scheduler(
-        bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=128, **kw
-    )
+    return Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, **kw)
 
 
 def run_step(sched: Scheduler, token: int = 7):

@@ -128,3 +128,17 @@ def test_shutdown_ends_streams_and_refuses_new_work():
     assert list(stream)[-1].finished
     with pytest.raises(RuntimeError, match="shutting down"):
         svc.submit("late", SamplingParams())
+
+
+def test_block_snapshot_shows_owned_blocks_then_free(service):
+    stream = service.submit("watch my blocks", SamplingParams(max_tokens=60, ignore_eos=True))
+    first = next(stream)
+    snap = service.block_snapshot()
+    owned = [i for i, owner in enumerate(snap.owners) if owner == stream.request_id]
+    assert owned and all(snap.states[i] == "used" for i in owned)
+    assert any(q.request_id == stream.request_id for q in service.queue_snapshot())
+    assert first.token_ids
+    stream.result()
+    assert_all_free(service)
+    snap = service.block_snapshot()
+    assert stream.request_id not in snap.owners and snap.num_free == snap.num_blocks
