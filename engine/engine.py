@@ -208,10 +208,12 @@ class LLMEngine:
         if self.tokenizer is not None:
             new_text = detokenize_new(self.tokenizer, request, final=request.finished)
             params = request.params
-            if params.stop and new_text and not request.finished:
-                cut = find_stop(request.output_text, params.stop, len(new_text))
-                if cut is not None:
-                    request.output_text = request.output_text[:cut]
+            cut = find_stop(request.output_text, params.stop, len(new_text)) if new_text else None
+            if cut is not None:
+                request.output_text = request.output_text[:cut]
+                if request.finished:  # the same token also hit a length limit: stop wins
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
                     self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
         if request.finished:
             return self._finalize(request, new_token_ids)
