@@ -68,10 +68,13 @@ class ModelRunner:
         self.backend = self._resolve_backend(config.attention_backend)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self._generators: dict[str, torch.Generator] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._gather_workspace: torch.Tensor | None = None
+        self.graph_runner: CudaGraphRunner | None = None
         self.model = self._load_model(source)
         self.kv_spec = self._plan_kv_cache()
         arch = self.arch
-        # One tensor for all layers: [layers, 2 (K,V), blocks, block_size, kv_heads, head_dim].
         # One tensor for all layers: [layers, 2 (K, V), *per-layer layout of the backend].
         self.kv_cache = torch.zeros(
             arch.num_layers, 2, *self._layer_kv_shape(self.kv_spec.num_blocks),
@@ -80,10 +83,6 @@ class ModelRunner:
         self.kv_caches = [
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(arch.num_layers)
         ]
-        self._generators: dict[str, torch.Generator] = {}
-        self._seed_rng = random.Random(config.seed)
-        self._gather_workspace: torch.Tensor | None = None
-        self.graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches, config.max_num_seqs, max_model_len, self.block_size
@@ -138,24 +137,38 @@ class ModelRunner:
         worst-case forward pass (max_num_batched_tokens tokens) have taken their share."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        dummy = ScheduledRequest(
-            Request("profile", [0] * num_tokens, _PROFILE_PARAMS, arrival_time=0.0),
-            num_tokens, list(range(cdiv(num_tokens, self.block_size))),
-        )  # fmt: skip
-        shape = self._layer_kv_shape(cdiv(num_tokens, self.block_size))
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
-            for _ in range(self.arch.num_layers)
-        ]
-        self.execute(SchedulerOutput(scheduled=[dummy], num_prefill_tokens=num_tokens))
+        self.profile_forward(min(self.config.max_num_batched_tokens, self.max_model_len))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        del self.kv_caches
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = int(total * self.config.gpu_memory_utilization) - peak
         return max(0, budget // bytes_per_block)
+
+    def profile_forward(self, num_tokens: int) -> None:
+        """One prefill of `num_tokens` tokens on scratch KV blocks (activation peak probe).
+
+        Runs before the real cache exists; leaves `kv_caches` as it found them.
+        """
+        num_blocks = cdiv(num_tokens, self.block_size)
+        dummy = ScheduledRequest(
+            Request("profile", [0] * num_tokens, _PROFILE_PARAMS, arrival_time=0.0),
+            num_tokens, list(range(num_blocks)),
+        )  # fmt: skip
+        shape = self._layer_kv_shape(num_blocks)
+        saved = getattr(self, "kv_caches", None)
+        self.kv_caches = [
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            for _ in range(self.arch.num_layers)
+        ]
+        try:
+            self.execute(SchedulerOutput(scheduled=[dummy], num_prefill_tokens=num_tokens))
+        finally:
+            if saved is None:
+                del self.kv_caches
+            else:
+                self.kv_caches = saved
+            self.release("profile")
 
     # --- per step ---
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -245,7 +258,8 @@ class ModelRunner:
     ) -> None:  # fmt: skip
         """Cache rows for the torch backend's head-major layout (see attention_torch.py)."""
         dev, bs = self.device, self.block_size
-        num_kv_heads, num_blocks = self.arch.num_kv_heads, self.kv_spec.num_blocks
+        num_kv_heads = self.arch.num_kv_heads
+        num_blocks = self.kv_caches[0][0].shape[1]  # head-major [Hkv, blocks, bs, D]
         meta.store_index = store_rows(meta.slot_mapping, num_kv_heads, num_blocks * bs)
         most_rows = 0  # the largest gather of the step sizes the workspace
         seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
@@ -313,7 +327,10 @@ def _pad_tables(tables: list[list[int]], width: int, device: torch.device) -> to
 
 
 def _init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    device = model.embed_tokens.weight.device
+    # Drawn on the model's device (an 8B model on a GPU would take minutes on the CPU), in
+    # row blocks so it never needs a float32 copy of itself.
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
@@ -321,7 +338,6 @@ def _init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                # Drawn on CPU in float32 for reproducibility across devices, row block by block
-                # so an 8B model never needs a float32 copy of itself.
                 for chunk in param.split(4096, dim=0):
-                    chunk.copy_(torch.randn(chunk.shape, generator=gen) * 0.02)
+                    noise = torch.randn(chunk.shape, generator=gen, device=device)
+                    chunk.copy_(noise * 0.02)
