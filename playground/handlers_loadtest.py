@@ -30,6 +30,12 @@ ARRIVALS = ("all at once", "Poisson", "gamma (bursty)")
 LENGTH_KINDS = ("fixed", "uniform", "normal")
 MAX_PROMPTS = 2000  # a UI guard; the CLI has none
 
+# The fields of one length distribution each (what length_dist reads), input then output.
+LENGTH_FIELDS = tuple(
+    f"{which}_{part}"
+    for which in ("input", "output")
+    for part in ("kind", "mean", "low", "high", "std")
+)
 # The form's fields, in the order the tab passes them (one component each).
 WORKLOAD_FIELDS = (
     "num_prompts",
@@ -37,16 +43,7 @@ WORKLOAD_FIELDS = (
     "request_rate",
     "burstiness",
     "max_concurrency",
-    "input_kind",
-    "input_mean",
-    "input_low",
-    "input_high",
-    "input_std",
-    "output_kind",
-    "output_mean",
-    "output_low",
-    "output_high",
-    "output_std",
+    *LENGTH_FIELDS,
     "prefix_len",
     "temperature",
     "ignore_eos",

@@ -28,7 +28,7 @@ from playground.handlers_compare import (
     side_config,
     side_label,
 )
-from playground.handlers_loadtest import progress_html, spec_from_form
+from playground.handlers_loadtest import LENGTH_FIELDS, progress_html, spec_from_form
 from playground.loadgen import build_requests
 from playground.tabs.workload_form import workload_form
 
@@ -38,16 +38,7 @@ WORKLOAD_FIELDS = (
     "seed",
     "arrival",
     "request_rate",
-    "input_kind",
-    "input_mean",
-    "input_low",
-    "input_high",
-    "input_std",
-    "output_kind",
-    "output_mean",
-    "output_low",
-    "output_high",
-    "output_std",
+    *LENGTH_FIELDS,
 )
 
 
