@@ -112,27 +112,58 @@ def output_rate_figure(
     title: str | None = None,
 ) -> go.Figure:
     """Output tokens/s seen by the client over each run (name -> (start, results)), overlaid."""
+    lines = {
+        name: _binned_rate([t - t0 for r in results if r.success for t in r.token_times], bin_s)
+        for name, (t0, results) in runs.items()
+    }
+    return _runs_overlay_figure(
+        lines,
+        "lines+markers",
+        "t=%{x:.1f} s<br>%{y:.0f} tokens/s",
+        "No tokens received yet.",
+        f"output tokens/s ({bin_s:g} s bins)",
+        title,
+    )
+
+
+def _binned_rate(times: Sequence[float], bin_s: float) -> tuple[list[float], list[float]] | None:
+    """Events per second in bins of bin_s (x: bin centres); None when there are no events."""
+    if not times:
+        return None
+    num_bins = int(max(times) // bin_s) + 1
+    counts = [0] * num_bins
+    for t in times:
+        counts[int(t // bin_s)] += 1
+    return [(i + 0.5) * bin_s for i in range(num_bins)], [c / bin_s for c in counts]
+
+
+def _runs_overlay_figure(
+    lines: Mapping[str, tuple[list[float], list[float]] | None],
+    mode: str,
+    hover: str,
+    empty: str,
+    y_title: str,
+    title: str | None,
+) -> go.Figure:
+    """One step line per run (name -> (seconds since its start, values); None: nothing to draw)
+    overlaid, coloured A/B by the run's place in `lines` (a run without a line keeps its colour
+    slot); the message `empty` when no run has a line."""
     fig = go.Figure()
-    for k, (name, (t0, results)) in enumerate(runs.items()):
-        times = [t - t0 for r in results if r.success for t in r.token_times]
-        if not times:
+    for k, (name, xy) in enumerate(lines.items()):
+        if xy is None:
             continue
-        num_bins = int(max(times) // bin_s) + 1
-        counts = [0] * num_bins
-        for t in times:
-            counts[int(t // bin_s)] += 1
         fig.add_scatter(
-            x=[(i + 0.5) * bin_s for i in range(num_bins)],
-            y=[c / bin_s for c in counts],
-            mode="lines+markers",
+            x=xy[0],
+            y=xy[1],
+            mode=mode,
             name=name,
             line={"color": SIDE_COLORS[k % 2], "shape": "hv"},
-            hovertemplate=f"{name}<br>t=%{{x:.1f}} s<br>%{{y:.0f}} tokens/s<extra></extra>",
+            hovertemplate=f"{name}<br>{hover}<extra></extra>",
         )
     if not fig.data:
-        return empty_figure("No tokens received yet.", title)
+        return empty_figure(empty, title)
     fig.update_xaxes(title_text="seconds since the run started")
-    fig.update_yaxes(title_text=f"output tokens/s ({bin_s:g} s bins)", rangemode="tozero")
+    fig.update_yaxes(title_text=y_title, rangemode="tozero")
     return base_layout(fig, title, height=280)
 
 
@@ -237,20 +268,15 @@ def requests_per_step_figure(
     runs: Mapping[str, tuple[float, Sequence[StepStats]]], title: str | None = None
 ) -> go.Figure:
     """Requests in each engine step over time, one line per run (name -> (t0, steps))."""
-    fig = go.Figure()
-    for k, (name, (t0, steps)) in enumerate(runs.items()):
-        if not steps:
-            continue
-        fig.add_scatter(
-            x=[s.start_time - t0 for s in steps],
-            y=[s.batch_size for s in steps],
-            mode="lines",
-            name=name,
-            line={"color": SIDE_COLORS[k % 2], "shape": "hv"},
-            hovertemplate=f"{name}<br>t=%{{x:.2f}} s<br>%{{y}} requests<extra></extra>",
-        )
-    if not fig.data:
-        return empty_figure("No engine steps recorded.", title)
-    fig.update_xaxes(title_text="seconds since the run started")
-    fig.update_yaxes(title_text="requests in the step", rangemode="tozero")
-    return base_layout(fig, title, height=280)
+    lines = {
+        name: ([s.start_time - t0 for s in steps], [s.batch_size for s in steps]) if steps else None
+        for name, (t0, steps) in runs.items()
+    }
+    return _runs_overlay_figure(
+        lines,
+        "lines",
+        "t=%{x:.2f} s<br>%{y} requests",
+        "No engine steps recorded.",
+        "requests in the step",
+        title,
+    )
