@@ -4,6 +4,7 @@ instance, one after the other; results side by side, overlaid charts, both peak 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import gradio as gr
@@ -30,6 +31,7 @@ from playground.handlers_compare import (
 )
 from playground.handlers_loadtest import LENGTH_FIELDS, progress_html, spec_from_form
 from playground.loadgen import build_requests
+from playground.tabs.benchmark import BENCHMARK_QUEUE, stop_handler
 from playground.tabs.workload_form import workload_form
 
 POLL_S = 0.5
@@ -114,6 +116,11 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     return ui
 
 
+def stop_compare(current: dict) -> Callable[[], str]:
+    """Stop's handler for this tab and the remote Compare tab (compare_remote.py)."""
+    return stop_handler(current, "No compare is running.", "Stopping the compare...")
+
+
 def _figures(outcomes: list[SideOutcome]) -> tuple:
     runs = {o.label: o for o in outcomes if o.result is not None}
     metrics = {
@@ -194,23 +201,10 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         done_html = progress_html(len(requests), len(requests), elapsed, "done (both runs)")
         yield (done_html, status, rows, *figures)
 
-    def stop() -> str:
-        cmp = current["run"]
-        if cmp is None:
-            return "No compare is running."
-        cmp.stop()
-        return "Stopping the compare..."
-
     side_inputs = [*ui.side_a.values(), *ui.side_b.values()]
     ui.preset.change(apply_preset, ui.preset, side_inputs, api_visibility="private")
     outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate, ui.batch, ui.map_a, ui.map_b]
-    ui.run.click(
-        run_compare,
-        [ui.kv_budget, ui.max_model_len, *side_inputs, *ui.form.values()],
-        outputs,
-        api_name="compare",
-        concurrency_limit=1,
-        concurrency_id="benchmark",
-        show_progress="hidden",
-    )
+    inputs = [ui.kv_budget, ui.max_model_len, *side_inputs, *ui.form.values()]
+    ui.run.click(run_compare, inputs, outputs, api_name="compare", **BENCHMARK_QUEUE)
+    stop = stop_compare(current)
     ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_compare")

@@ -20,7 +20,8 @@ from playground.handlers_compare_remote import (
 )
 from playground.handlers_loadtest import progress_html, spec_from_form
 from playground.loadgen import build_requests
-from playground.tabs.compare import WORKLOAD_FIELDS
+from playground.tabs.benchmark import BENCHMARK_QUEUE
+from playground.tabs.compare import WORKLOAD_FIELDS, stop_compare
 from playground.tabs.workload_form import workload_form
 
 POLL_S = 0.5
@@ -141,20 +142,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         done_html = progress_html(len(requests), len(requests), elapsed, "done (both runs)")
         yield done_html, status, remote_compare_rows(first, second), cdfs, rate
 
-    def stop() -> str:
-        cmp = current["run"]
-        if cmp is None:
-            return "No compare is running."
-        cmp.stop()
-        return "Stopping the compare..."
-
-    ui.run.click(
-        run_compare,
-        [ui.b_url, ui.b_model, ui.b_key, *ui.form.values()],
-        [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate],
-        api_name="compare",
-        concurrency_limit=1,
-        concurrency_id="benchmark",
-        show_progress="hidden",
-    )
+    inputs = [ui.b_url, ui.b_model, ui.b_key, *ui.form.values()]
+    outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate]
+    ui.run.click(run_compare, inputs, outputs, api_name="compare", **BENCHMARK_QUEUE)
+    stop = stop_compare(current)
     ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_compare")

@@ -28,6 +28,7 @@ from playground.handlers_loadtest import (
     summary_rows,
     write_result_json,
 )
+from playground.tabs.benchmark import BENCHMARK_QUEUE, stop_handler
 from playground.tabs.workload_form import workload_form
 
 POLL_S = 0.5  # how often the run's progress reaches the page
@@ -176,13 +177,6 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             gr.DownloadButton(value=path, visible=True),
         )
 
-    def stop() -> str:
-        run = current["run"]
-        if run is None:
-            return "No load test is running."
-        run.stop()
-        return "Stopping: requests in flight are aborted; finished ones are kept."
-
     outputs = [
         ui.progress,
         ui.status,
@@ -192,14 +186,10 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ui.results,
         ui.download,
     ]
-    # One benchmark at a time (load test or compare): they would skew each other's numbers.
-    ui.run.click(
-        run_test,
-        list(ui.form.values()),
-        outputs,
-        api_name="load_test",
-        concurrency_limit=1,
-        concurrency_id="benchmark",
-        show_progress="hidden",
+    ui.run.click(run_test, list(ui.form.values()), outputs, api_name="load_test", **BENCHMARK_QUEUE)
+    stop = stop_handler(
+        current,
+        "No load test is running.",
+        "Stopping: requests in flight are aborted; finished ones are kept.",
     )
     ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_load_test")
