@@ -67,6 +67,23 @@ def cdf_figure(
     return fig
 
 
+def latency_cdfs_figure(
+    runs: Mapping[str, Sequence[RequestResult]], title: str | None = None
+) -> go.Figure:
+    """TTFT, TPOT and E2E latency CDFs (ms) of each run's successful requests, overlaid
+    (name -> the run's results): what a client measured."""
+
+    def ms(results: Sequence[RequestResult], attr: str) -> list[float]:
+        values = [getattr(r, attr) for r in results if r.success]
+        return [v * 1e3 for v in values if v is not None]
+
+    metrics = {
+        name: {label: ms(results, attr) for label, results in runs.items()}
+        for name, attr in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2e_s"))
+    }
+    return cdf_figure(metrics, title)
+
+
 def throughput_figure(
     steps: Sequence[StepStats],
     t0: float,

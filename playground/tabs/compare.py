@@ -11,7 +11,11 @@ import gradio as gr
 
 from playground.context import AppContext
 from playground.figures_blocks import block_map_figure
-from playground.figures_latency import cdf_figure, output_rate_figure, requests_per_step_figure
+from playground.figures_latency import (
+    latency_cdfs_figure,
+    output_rate_figure,
+    requests_per_step_figure,
+)
 from playground.figures_style import empty_figure
 from playground.handlers_compare import (
     BLOCK_SIZES,
@@ -121,21 +125,21 @@ def stop_compare(current: dict) -> Callable[[], str]:
     return stop_handler(current, "No compare is running.", "Stopping the compare...")
 
 
-def _figures(outcomes: list[SideOutcome]) -> tuple:
-    runs = {o.label: o for o in outcomes if o.result is not None}
-    metrics = {
-        name: {o.label: [v * 1e3 for v in vals(o) if v is not None] for o in runs.values()}
-        for name, vals in (
-            ("TTFT", lambda o: [r.ttft_s for r in o.result.per_request if r.success]),
-            ("TPOT", lambda o: [r.tpot_s for r in o.result.per_request if r.success]),
-            ("E2E latency", lambda o: [r.e2e_s for r in o.result.per_request if r.success]),
-        )
-    }
+def client_figures(outcomes: list[SideOutcome], cdfs_title: str) -> tuple:
+    """Latency CDFs and output tokens/s of the sides that have a result, A vs B."""
+    runs = {o.label: o.result for o in outcomes if o.result is not None}
+    cdfs = latency_cdfs_figure({k: res.per_request for k, res in runs.items()}, cdfs_title)
     rate = output_rate_figure(
-        {k: (o.result.start_time, o.result.per_request) for k, o in runs.items()},
+        {k: (res.start_time, res.per_request) for k, res in runs.items()},
         bin_s=0.5,
         title="Output tokens/s seen by the client",
     )
+    return cdfs, rate
+
+
+def _figures(outcomes: list[SideOutcome]) -> tuple:
+    runs = {o.label: o for o in outcomes if o.result is not None}
+    cdfs, rate = client_figures(outcomes, "Latency CDFs, A vs B")
     batch = requests_per_step_figure(
         {k: (o.result.start_time, o.steps) for k, o in runs.items()}, "Requests per engine step"
     )
@@ -143,7 +147,7 @@ def _figures(outcomes: list[SideOutcome]) -> tuple:
         block_map_figure(o.peak, f"{o.label} at peak") if o.peak else empty_figure(o.error or "")
         for o in outcomes
     ]
-    return cdf_figure(metrics, "Latency CDFs, A vs B"), rate, batch, *maps
+    return cdfs, rate, batch, *maps
 
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:

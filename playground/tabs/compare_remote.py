@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.figures_latency import cdf_figure, output_rate_figure
-from playground.handlers_compare import COMPARE_HEADERS, DEFAULT_COMPARE_WORKLOAD, SideOutcome
+from playground.handlers_compare import COMPARE_HEADERS, DEFAULT_COMPARE_WORKLOAD
 from playground.handlers_compare_remote import (
     RemoteCompare,
     connect_side,
@@ -21,7 +20,7 @@ from playground.handlers_compare_remote import (
 from playground.handlers_loadtest import progress_html, spec_from_form
 from playground.loadgen import build_requests
 from playground.tabs.benchmark import BENCHMARK_QUEUE
-from playground.tabs.compare import WORKLOAD_FIELDS, stop_compare
+from playground.tabs.compare import WORKLOAD_FIELDS, client_figures, stop_compare
 from playground.tabs.workload_form import workload_form
 
 POLL_S = 0.5
@@ -68,25 +67,6 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
         ui.cdfs = gr.Plot(show_label=False, label="Latency CDFs, A vs B")
         ui.rate = gr.Plot(show_label=False, label="Output tokens/s over time")
     return ui
-
-
-def _figures(outcomes: list[SideOutcome]) -> tuple:
-    runs = {o.label: o.result for o in outcomes if o.result is not None}
-
-    def ms(result, attr: str) -> list[float]:
-        values = [getattr(r, attr) for r in result.per_request if r.success]
-        return [v * 1e3 for v in values if v is not None]
-
-    metrics = {
-        name: {label: ms(res, attr) for label, res in runs.items()}
-        for name, attr in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2e_s"))
-    }
-    rate = output_rate_figure(
-        {k: (res.start_time, res.per_request) for k, res in runs.items()},
-        bin_s=0.5,
-        title="Output tokens/s seen by the client",
-    )
-    return cdf_figure(metrics, "Latency CDFs, A vs B (client)"), rate
 
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
@@ -137,7 +117,9 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         )
         if errors:
             status += "\n\n**Problems:** " + "; ".join(errors)
-        cdfs, rate = await asyncio.to_thread(_figures, cmp.outcomes)
+        cdfs, rate = await asyncio.to_thread(
+            client_figures, cmp.outcomes, "Latency CDFs, A vs B (client)"
+        )
         elapsed = sum(o.result.duration_s for o in cmp.outcomes if o.result)
         done_html = progress_html(len(requests), len(requests), elapsed, "done (both runs)")
         yield done_html, status, remote_compare_rows(first, second), cdfs, rate
