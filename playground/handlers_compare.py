@@ -18,7 +18,7 @@ from typing import Any
 from engine.block_manager import BlockSnapshot
 from engine.config import EngineConfig
 from engine.metrics import StepStats
-from playground.handlers_loadtest import BackgroundRun
+from playground.handlers_loadtest import BackgroundRun, progress_html
 from playground.loadgen import EngineTarget, GenRequest, LoadTestResult, WorkloadSpec
 
 SIDE_FIELDS = ("batching", "kv_layout", "block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -178,6 +178,24 @@ class BackgroundCompare:
         self._stopped = True
         if self.current is not None:
             self.current.stop()
+
+    def progress(self) -> str:
+        """The progress bar of the side running now (0 done between the sides)."""
+        run = self.current
+        done = len(run.results) if run else 0
+        elapsed = run.elapsed_s if run else 0.0
+        return progress_html(done, len(self.requests), elapsed, self.phase)
+
+    def final_progress(self) -> str:
+        """The full bar once both sides ran: the seconds are the two runs' own, summed."""
+        elapsed = sum(o.result.duration_s for o in self.outcomes if o.result)
+        total = len(self.requests)
+        return progress_html(total, total, elapsed, "done (both runs)")
+
+    def problems(self) -> str:
+        """Markdown to append to the status: each side's error, or "" when none failed."""
+        errors = [f"{o.label}: {o.error}" for o in self.outcomes if o.error]
+        return "\n\n**Problems:** " + "; ".join(errors) if errors else ""
 
     def _main(self) -> None:
         try:

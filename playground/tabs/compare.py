@@ -4,7 +4,8 @@ instance, one after the other; results side by side, overlaid charts, both peak 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from types import SimpleNamespace
 
 import gradio as gr
@@ -91,21 +92,8 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             ui.side_a = _side_form("A", a)
         with gr.Column():
             ui.side_b = _side_form("B", b)
-        with gr.Column(scale=2):
-            gr.Markdown("### Workload (both sides)")
-            ui.form = workload_form(DEFAULT_COMPARE_WORKLOAD, WORKLOAD_FIELDS)
-    with gr.Row():
-        ui.run = gr.Button("Run compare", variant="primary", elem_id="compare-run")
-        ui.stop = gr.Button("Stop", variant="stop")
-    ui.progress = gr.HTML(progress_html(0, 0, 0.0, "not started"), elem_id="compare-progress")
-    ui.status = gr.Markdown("Pick a preset and press **Run compare**.", elem_id="compare-status")
-    ui.results = gr.Dataframe(
-        headers=COMPARE_HEADERS,
-        label="Side by side",
-        interactive=False,
-        elem_id="compare-results",
-        max_height=900,
-    )
+        ui.form = workload_column()
+    run_controls(ui, "Pick a preset and press **Run compare**.", "Side by side", 900)
     ui.cdfs = gr.Plot(show_label=False, label="Latency CDFs, A vs B")
     with gr.Row():
         ui.rate = gr.Plot(show_label=False, label="Output tokens/s over time")
@@ -120,9 +108,30 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     return ui
 
 
-def stop_compare(current: dict) -> Callable[[], str]:
-    """Stop's handler for this tab and the remote Compare tab (compare_remote.py)."""
-    return stop_handler(current, "No compare is running.", "Stopping the compare...")
+# --- what the remote Compare tab (compare_remote.py) shares with this one ---------------------
+
+
+def workload_column() -> dict:
+    """The workload form, in the column right of the two sides."""
+    with gr.Column(scale=2):
+        gr.Markdown("### Workload (both sides)")
+        return workload_form(DEFAULT_COMPARE_WORKLOAD, WORKLOAD_FIELDS)
+
+
+def run_controls(ui: SimpleNamespace, status: str, results_label: str, max_height: int) -> None:
+    """Run / Stop, the progress bar, the status line and the side-by-side table."""
+    with gr.Row():
+        ui.run = gr.Button("Run compare", variant="primary", elem_id="compare-run")
+        ui.stop = gr.Button("Stop", variant="stop")
+    ui.progress = gr.HTML(progress_html(0, 0, 0.0, "not started"), elem_id="compare-progress")
+    ui.status = gr.Markdown(status, elem_id="compare-status")
+    ui.results = gr.Dataframe(
+        headers=COMPARE_HEADERS,
+        label=results_label,
+        interactive=False,
+        elem_id="compare-results",
+        max_height=max_height,
+    )
 
 
 def client_figures(outcomes: list[SideOutcome], cdfs_title: str) -> tuple:
@@ -135,6 +144,30 @@ def client_figures(outcomes: list[SideOutcome], cdfs_title: str) -> tuple:
         title="Output tokens/s seen by the client",
     )
     return cdfs, rate
+
+
+async def follow(cmp: BackgroundCompare, current: dict, num_outputs: int) -> AsyncIterator[tuple]:
+    """(progress bar, skip for the other outputs) every POLL_S until both sides finish; the
+    tab's Stop acts on cmp meanwhile. Closing this (the page went away) stops the compare:
+    the caller wraps it in contextlib.aclosing so that happens at once."""
+    current["run"] = cmp
+    skips = [gr.skip()] * (num_outputs - 1)
+    try:
+        while not cmp.done.is_set():
+            yield (cmp.progress(), *skips)
+            await asyncio.to_thread(cmp.done.wait, POLL_S)
+    finally:
+        if not cmp.done.is_set():
+            cmp.stop()
+        current["run"] = None
+
+
+def stop_compare(current: dict) -> Callable[[], str]:
+    """Stop's handler for this tab and the remote Compare tab (compare_remote.py)."""
+    return stop_handler(current, "No compare is running.", "Stopping the compare...")
+
+
+# --- this tab ----------------------------------------------------------------------------------
 
 
 def _figures(outcomes: list[SideOutcome]) -> tuple:
@@ -179,31 +212,17 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             ("B", side_label("B", side_b, side_a), cfg_b),
         ]
         cmp = BackgroundCompare(spec, sides, requests, ctx.make_service).start()
-        current["run"] = cmp
-        try:
-            while not cmp.done.is_set():
-                run = cmp.current
-                done = len(run.results) if run else 0
-                elapsed = run.elapsed_s if run else 0.0
-                yield (progress_html(done, len(requests), elapsed, cmp.phase), skip, *[skip] * 6)
-                await asyncio.to_thread(cmp.done.wait, POLL_S)
-        finally:
-            if not cmp.done.is_set():
-                cmp.stop()
-            current["run"] = None
+        async with aclosing(follow(cmp, current, len(outputs))) as updates:
+            async for update in updates:
+                yield update
         a, b = cmp.outcomes
-        errors = [f"{o.label}: {o.error}" for o in cmp.outcomes if o.error]
         status = (
             f"**Done.** A = {a.label[3:]}, B = {b.label[3:]}. Ratios are B / A; 'better' "
             "says which side wins on that row."
-        )
-        if errors:
-            status += "\n\n**Problems:** " + "; ".join(errors)
+        ) + cmp.problems()
         figures = await asyncio.to_thread(_figures, cmp.outcomes)
         rows = compare_rows(a, b)
-        elapsed = sum(o.result.duration_s for o in cmp.outcomes if o.result)
-        done_html = progress_html(len(requests), len(requests), elapsed, "done (both runs)")
-        yield (done_html, status, rows, *figures)
+        yield (cmp.final_progress(), status, rows, *figures)
 
     side_inputs = [*ui.side_a.values(), *ui.side_b.values()]
     ui.preset.change(apply_preset, ui.preset, side_inputs, api_visibility="private")

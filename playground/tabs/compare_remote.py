@@ -5,25 +5,28 @@ numbers side by side and overlaid latency CDFs and output rates."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from types import SimpleNamespace
 
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers_compare import COMPARE_HEADERS, DEFAULT_COMPARE_WORKLOAD
 from playground.handlers_compare_remote import (
     RemoteCompare,
     connect_side,
     remote_compare_rows,
     target_for,
 )
-from playground.handlers_loadtest import progress_html, spec_from_form
+from playground.handlers_loadtest import spec_from_form
 from playground.loadgen import build_requests
 from playground.tabs.benchmark import BENCHMARK_QUEUE
-from playground.tabs.compare import WORKLOAD_FIELDS, client_figures, stop_compare
-from playground.tabs.workload_form import workload_form
-
-POLL_S = 0.5
+from playground.tabs.compare import (
+    client_figures,
+    follow,
+    run_controls,
+    stop_compare,
+    workload_column,
+)
 
 
 def create_ui(ctx: AppContext) -> SimpleNamespace:
@@ -46,22 +49,12 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             )
             ui.b_model = gr.Textbox(label="Model (blank: the first of its /v1/models)")
             ui.b_key = gr.Textbox(label="API key (blank: none)", type="password")
-        with gr.Column(scale=2):
-            gr.Markdown("### Workload (both sides)")
-            ui.form = workload_form(DEFAULT_COMPARE_WORKLOAD, WORKLOAD_FIELDS)
-    with gr.Row():
-        ui.run = gr.Button("Run compare", variant="primary", elem_id="compare-run")
-        ui.stop = gr.Button("Stop", variant="stop")
-    ui.progress = gr.HTML(progress_html(0, 0, 0.0, "not started"), elem_id="compare-progress")
-    ui.status = gr.Markdown(
-        "Give side B's base URL and press **Run compare**.", elem_id="compare-status"
-    )
-    ui.results = gr.Dataframe(
-        headers=COMPARE_HEADERS,
-        label="Side by side (measured by the client)",
-        interactive=False,
-        elem_id="compare-results",
-        max_height=700,
+        ui.form = workload_column()
+    run_controls(
+        ui,
+        "Give side B's base URL and press **Run compare**.",
+        "Side by side (measured by the client)",
+        700,
     )
     with gr.Row():
         ui.cdfs = gr.Plot(show_label=False, label="Latency CDFs, A vs B")
@@ -97,32 +90,18 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             yield skip, f"**Not started:** {e}", skip, skip, skip
             return
         cmp = RemoteCompare(spec, sides, requests).start()
-        current["run"] = cmp
-        try:
-            while not cmp.done.is_set():
-                run = cmp.current
-                done = len(run.results) if run else 0
-                elapsed = run.elapsed_s if run else 0.0
-                yield progress_html(done, len(requests), elapsed, cmp.phase), skip, skip, skip, skip
-                await asyncio.to_thread(cmp.done.wait, POLL_S)
-        finally:
-            if not cmp.done.is_set():
-                cmp.stop()
-            current["run"] = None
+        async with aclosing(follow(cmp, current, len(outputs))) as updates:
+            async for update in updates:
+                yield update
         first, second = cmp.outcomes
-        errors = [f"{o.label}: {o.error}" for o in cmp.outcomes if o.error]
         status = (
             f"**Done.** {first.label}; {second.label}. Ratios are B / A; 'better' says which "
             "side wins on that row. Latencies are measured by the client."
-        )
-        if errors:
-            status += "\n\n**Problems:** " + "; ".join(errors)
+        ) + cmp.problems()
         cdfs, rate = await asyncio.to_thread(
             client_figures, cmp.outcomes, "Latency CDFs, A vs B (client)"
         )
-        elapsed = sum(o.result.duration_s for o in cmp.outcomes if o.result)
-        done_html = progress_html(len(requests), len(requests), elapsed, "done (both runs)")
-        yield done_html, status, remote_compare_rows(first, second), cdfs, rate
+        yield cmp.final_progress(), status, remote_compare_rows(first, second), cdfs, rate
 
     inputs = [ui.b_url, ui.b_model, ui.b_key, *ui.form.values()]
     outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate]
