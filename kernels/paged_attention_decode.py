@@ -47,6 +47,34 @@ def dot_f32(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def load_kv_tile(
+    k_cache_ptr, v_cache_ptr, block_table, positions, valid, kv_head, dims,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """K and V rows [TILE, HEAD_DIM] of one KV head at `positions`, through the block table.
+    Invalid positions load zeros (and read block 0's address, never dereferenced)."""
+    block = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slots = block * BLOCK_SIZE + positions % BLOCK_SIZE
+    kv_offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+    key = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+    value = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+    return key, value
+
+
+@triton.jit
+def online_softmax_step(scores, value, row_max, row_sum, acc, UPCAST: tl.constexpr):
+    """Fold one tile of masked log2-domain scores [ROWS, TILE] and its values into the running
+    (max m, sum l, unnormalized acc):  m' = max(m, max s),  l' = l 2^(m - m') + sum 2^(s - m'),
+    acc' = acc 2^(m - m') + 2^(s - m') V."""
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    rescale = tl.exp2(row_max - new_max)
+    probs = tl.exp2(scores - new_max[:, None])
+    row_sum = row_sum * rescale + tl.sum(probs, 1)
+    acc = acc * rescale[:, None] + dot_f32(probs.to(value.dtype), value, UPCAST)
+    return new_max, row_sum, acc
+
+
+@triton.jit
 def _decode_partition_kernel(
     query_ptr,  # [batch, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -102,20 +130,15 @@ def _decode_partition_kernel(
     for tile_start in range(start, end, TILE_TOKENS):
         positions = tile_start + tl.arange(0, TILE_TOKENS)
         valid = positions < end
-        block = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slots = block * BLOCK_SIZE + positions % BLOCK_SIZE
-        kv_offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
-        key = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-        value = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-
+        key, value = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, positions, valid, kv_head, dims,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+        )  # fmt: skip
         scores = dot_f32(query, tl.trans(key), UPCAST_DOT) * scale_log2  # [ROWS, TILE]
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        rescale = tl.exp2(row_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + dot_f32(probs.to(value.dtype), value, UPCAST_DOT)
-        row_max = new_max
+        row_max, row_sum, acc = online_softmax_step(
+            scores, value, row_max, row_sum, acc, UPCAST_DOT
+        )
 
     if DIRECT_OUTPUT:
         # A request with seq_len 0 (batch padding) gets zeros instead of 0/0.

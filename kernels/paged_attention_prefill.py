@@ -23,7 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention_decode import LOG2_E, check_attention_inputs, dot_f32, upcast_dot
+from kernels.paged_attention_decode import (
+    LOG2_E,
+    check_attention_inputs,
+    dot_f32,
+    load_kv_tile,
+    online_softmax_step,
+    upcast_dot,
+)
 
 
 @triton.jit
@@ -95,21 +102,16 @@ def _prefill_kernel(
     for tile_start in range(0, context_end, TILE_TOKENS):
         positions = tile_start + tl.arange(0, TILE_TOKENS)
         valid = positions < context_end
-        block = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slots = block * BLOCK_SIZE + positions % BLOCK_SIZE
-        kv_offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
-        key = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-        value = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-
+        key, value = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, positions, valid, kv_head, dims,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+        )  # fmt: skip
         scores = dot_f32(query, tl.trans(key), UPCAST_DOT) * scale_log2  # [ROWS, TILE]
         causal = valid[None, :] & (positions[None, :] <= query_positions[:, None])
         scores = tl.where(causal, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        rescale = tl.exp2(row_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + dot_f32(probs.to(value.dtype), value, UPCAST_DOT)
-        row_max = new_max
+        row_max, row_sum, acc = online_softmax_step(
+            scores, value, row_max, row_sum, acc, UPCAST_DOT
+        )
 
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     out_offsets = tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head
