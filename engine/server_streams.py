@@ -7,7 +7,7 @@ its KV blocks.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -87,39 +87,47 @@ def _stream_error(out: Any) -> str:
     return sse(body)
 
 
-async def completion_events(
+def completion_events(
     service: Any, stream: Any, model: str, include_usage: bool
 ) -> AsyncIterator[str]:
     rid = stream.request_id
-    last = None
-    async for out in _relay(service, stream):
-        if out.error:
-            yield _stream_error(out)
-            return
-        last = out
-        if out.new_text or out.finished:
-            chunk = completion_chunk(rid, model, out.new_text, out.finish_reason)
-            if include_usage:
-                chunk["usage"] = None
-            yield sse(chunk)
-    if include_usage and last is not None:
-        u = usage(len(last.prompt_token_ids), len(last.token_ids))
-        yield sse(usage_chunk(rid, model, "text_completion", u))
-    yield SSE_DONE
+    return _events(
+        service, stream, model, include_usage, "text_completion",
+        lambda out: completion_chunk(rid, model, out.new_text, out.finish_reason),
+    )  # fmt: skip
 
 
-async def chat_events(
-    service: Any, stream: Any, model: str, include_usage: bool
-) -> AsyncIterator[str]:
+def chat_events(service: Any, stream: Any, model: str, include_usage: bool) -> AsyncIterator[str]:
     rid = stream.request_id
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None) -> str:
-        c = chat_chunk(rid, model, delta, finish_reason)
+    def chunk_for(out: Any) -> dict[str, Any]:
+        delta = {"content": out.new_text} if out.new_text else {}
+        return chat_chunk(rid, model, delta, out.finish_reason)
+
+    first = chat_chunk(rid, model, {"role": "assistant", "content": ""}, None)
+    return _events(service, stream, model, include_usage, "chat.completion.chunk", chunk_for, first)
+
+
+async def _events(
+    service: Any,
+    stream: Any,
+    model: str,
+    include_usage: bool,
+    usage_object: str,
+    chunk_for: Callable[[Any], dict[str, Any]],
+    first: dict[str, Any] | None = None,
+) -> AsyncIterator[str]:
+    """SSE events of one request: a chunk per delta with text (or the final one), then the
+    usage chunk when asked for, then [DONE]. With include_usage every chunk carries
+    "usage": null, as OpenAI's stream does."""
+
+    def event(chunk: dict[str, Any]) -> str:
         if include_usage:
-            c["usage"] = None
-        return sse(c)
+            chunk["usage"] = None
+        return sse(chunk)
 
-    yield chunk({"role": "assistant", "content": ""}, None)
+    if first is not None:
+        yield event(first)
     last = None
     async for out in _relay(service, stream):
         if out.error:
@@ -127,9 +135,8 @@ async def chat_events(
             return
         last = out
         if out.new_text or out.finished:
-            delta = {"content": out.new_text} if out.new_text else {}
-            yield chunk(delta, out.finish_reason)
+            yield event(chunk_for(out))
     if include_usage and last is not None:
         u = usage(len(last.prompt_token_ids), len(last.token_ids))
-        yield sse(usage_chunk(rid, model, "chat.completion.chunk", u))
+        yield sse(usage_chunk(stream.request_id, model, usage_object, u))
     yield SSE_DONE
