@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None, help="JSONL of prompts (ShareGPT-like or prompt)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1, help="-1 = off (an API extension)")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off (an API extension)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument(
@@ -249,6 +252,9 @@ def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         dataset=args.dataset,
         seed=args.seed,
         temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
         ignore_eos=args.ignore_eos,
         num_warmups=args.num_warmups,
     )

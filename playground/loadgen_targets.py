@@ -52,6 +52,9 @@ class EngineTarget:
             params = SamplingParams(
                 max_tokens=request.output_len,
                 temperature=spec.temperature,
+                top_p=spec.top_p,
+                top_k=spec.top_k,
+                min_p=spec.min_p,
                 ignore_eos=spec.ignore_eos,
             )
             stream = self.service.submit(request.prompt, params)
@@ -155,8 +158,15 @@ class OpenAITarget:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if spec.top_p < 1:
+            body["top_p"] = spec.top_p
+        # Extensions (vLLM, SGLang, llama.cpp and ours have them): sent only when used.
+        if spec.top_k > 0:
+            body["top_k"] = spec.top_k
+        if spec.min_p > 0:
+            body["min_p"] = spec.min_p
         if spec.ignore_eos:
-            body["ignore_eos"] = True  # an extension: vLLM, SGLang, llama.cpp and ours have it
+            body["ignore_eos"] = True
         return body
 
     async def send(self, request: GenRequest, spec: WorkloadSpec) -> RequestResult:

@@ -110,6 +110,9 @@ class WorkloadSpec:
     dataset: str | None = None  # JSONL of prompts; replaces the random input tokens
     seed: int = 0
     temperature: float = 0.0
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = -1  # -1 = off (an extension over HTTP: vLLM, SGLang, ours)
+    min_p: float = 0.0  # 0 = off (an extension over HTTP)
     ignore_eos: bool = True  # exact output lengths (servers that lack it may ignore it)
     num_warmups: int = 0  # requests sent (and discarded) before the measured run
 
@@ -130,6 +133,12 @@ class WorkloadSpec:
             raise ValueError(f"prefix_len: must be >= 0, got {self.prefix_len}")
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k: must be -1 (off) or a positive integer, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups: must be >= 0, got {self.num_warmups}")
 

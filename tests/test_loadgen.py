@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from playground.loadgen import (
+    EngineTarget,
     GenRequest,
     LengthDist,
     LoadTestResult,
@@ -403,3 +404,31 @@ def test_openai_target_reports_http_errors():
 
     r = asyncio.run(go())
     assert not r.success and r.error == "HTTP 400: prompt: too long"
+
+
+def test_sampling_options_reach_both_targets():
+    args = build_parser().parse_args(
+        shlex.split("--temperature 0.8 --top-p 0.9 --top-k 20 --min-p 0.05")
+    )
+    spec = spec_from_args(args)
+    assert (spec.temperature, spec.top_p, spec.top_k, spec.min_p) == (0.8, 0.9, 20, 0.05)
+    request = build_requests(WorkloadSpec(num_prompts=1, input_len=4), FakeTokenizer())[0]
+    body = OpenAITarget("http://127.0.0.1:9", "m").payload(request, spec)
+    assert (body["top_p"], body["top_k"], body["min_p"]) == (0.9, 20, 0.05)
+    plain = OpenAITarget("http://127.0.0.1:9", "m").payload(request, WorkloadSpec())
+    assert not {"top_p", "top_k", "min_p"} & set(plain)  # defaults are not sent
+
+    submitted = []
+
+    class FakeService:
+        model_name = "fake"
+
+        def submit(self, prompt, params):
+            submitted.append(params)
+            raise ValueError("stop here")
+
+    result = asyncio.run(EngineTarget(FakeService()).send(request, spec))
+    assert result.error and submitted[0].top_k == 20 and submitted[0].min_p == 0.05
+    for bad in ({"top_p": 0.0}, {"top_k": 0}, {"min_p": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            WorkloadSpec(**bad)
