@@ -201,9 +201,9 @@ class LLMEngine:
         touched = self.scheduler.update(sched, sampled, now)
         outputs = [self._output_for(request) for request in touched]
         self._record_step(sched, cost, start, time.perf_counter())
-        return [o for o in outputs if o is not None]
+        return outputs
 
-    def _output_for(self, request: Request) -> RequestOutput | None:
+    def _output_for(self, request: Request) -> RequestOutput:
         new_token_ids = request.output_token_ids[-1:]
         if self.tokenizer is not None:
             new_text = detokenize_new(self.tokenizer, request, final=request.finished)
@@ -219,7 +219,7 @@ class LLMEngine:
             return self._finalize(request, new_token_ids)
         return self._delta(request, new_token_ids)
 
-    def _delta(self, request: Request, new_token_ids: list[int]) -> RequestOutput | None:
+    def _delta(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         # While streaming, hold back text that could be the start of a stop string.
         sendable = len(request.output_text)
         if request.params.stop and not request.finished:

@@ -42,3 +42,33 @@ def test_filtered_sampling_is_reproducible_with_a_seed(llm_f32):
     alone = llm_f32.generate(["Once upon a time"], params)[0]
     with_company = llm_f32.generate(["Once upon a time", "unrelated"], [params, params])[0]
     assert alone.token_ids == with_company.token_ids and len(alone.token_ids) == 10
+
+
+def test_generation_stops_at_max_model_len():
+    llm = LLM(model="random:tiny", dtype="float32", num_kv_blocks=16, max_model_len=64)
+    out = llm.generate([[9] * 60], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_params_list_must_match_prompts(tiny_llm):
+    with pytest.raises(ValueError, match=r"^params: 1 given for 2 prompts"):
+        tiny_llm.generate([[1, 2], [3, 4]], [SamplingParams()])
+
+
+def test_text_needs_a_tokenizer(tmp_path):
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
+        tmp_path
+    )
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=8)
+    with pytest.raises(ValueError, match=r"^prompt: model .* has no tokenizer; pass ids"):
+        llm.generate(["some text"])
+    with pytest.raises(ValueError, match=r"^messages: model .* has no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}])
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].finished
