@@ -218,8 +218,12 @@ class EngineService:
             if kind == "add":
                 request, stream = payload  # type: ignore[misc]
                 assert isinstance(request, Request)
+                try:
+                    self.engine.add(request)
+                except ValueError as exc:  # e.g. a request_id already in flight
+                    stream.push(_rejected(request, str(exc)))
+                    continue
                 self._streams[request.request_id] = stream
-                self.engine.add(request)
             elif kind == "abort":
                 out = self.engine.abort(payload)  # type: ignore[arg-type]
                 if out is not None:
@@ -233,6 +237,16 @@ class EngineService:
             stream.push(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+
+def _rejected(request: Request, error: str) -> RequestOutput:
+    """The only output of a request the engine refused once it reached the engine thread."""
+    request.metrics.finish_time = time.perf_counter()
+    return RequestOutput(
+        request_id=request.request_id, prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids, token_ids=[], text="", new_token_ids=[],
+        new_text="", finished=True, finish_reason="abort", metrics=request.metrics, error=error,
+    )  # fmt: skip
 
 
 def wait_until_idle(service: EngineService, timeout_s: float = 30.0) -> bool:

@@ -142,3 +142,14 @@ def test_block_snapshot_shows_owned_blocks_then_free(service):
     assert_all_free(service)
     snap = service.block_snapshot()
     assert stream.request_id not in snap.owners and snap.num_free == snap.num_blocks
+
+
+def test_duplicate_request_id_fails_that_request_only(service):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)  # long enough to still run
+    first = service.submit("first", params, request_id="same-id")
+    second = service.submit("second", params, request_id="same-id")
+    rejected = list(second)
+    assert rejected[-1].finished and "already in the engine" in rejected[-1].error
+    assert first.result().finish_reason == "length"  # the original is untouched
+    assert service.is_running
+    assert_all_free(service)
