@@ -16,7 +16,6 @@ from engine.detokenizer import detokenize_new, find_stop, init_offsets, stop_hol
 from engine.metrics import ModelShape, RingBuffer, StepCost, StepStats, step_cost, step_kind
 from engine.model_loader import load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
-from engine.prom import EngineMetricsRegistry
 from engine.request import (
     Request,
     RequestOutput,
@@ -26,6 +25,11 @@ from engine.request import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats, FinishedRequest, RequestProgress
+
+try:
+    from engine.prom import EngineMetricsRegistry
+except ImportError:  # no prometheus_client (GPU check machines have torch + triton only)
+    from engine.prom_null import NullMetricsRegistry as EngineMetricsRegistry
 
 logger = logging.getLogger(__name__)
 
