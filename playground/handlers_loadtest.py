@@ -46,6 +46,8 @@ WORKLOAD_FIELDS = (
     *LENGTH_FIELDS,
     "prefix_len",
     "temperature",
+    "top_p",
+    "top_k",
     "ignore_eos",
     "seed",
 )
@@ -68,6 +70,8 @@ DEFAULT_WORKLOAD: dict[str, Any] = {
     "output_std": 8.0,
     "prefix_len": 0,
     "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
     "ignore_eos": True,
     "seed": 0,
 }
@@ -131,6 +135,12 @@ def spec_from_form(values: Mapping[str, Any], max_model_len: int | None = None) 
     temperature = form["temperature"]
     if temperature is None or temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature!r}")
+    top_p = form["top_p"]
+    if top_p is None or not 0 < top_p <= 1:
+        raise ValueError(f"top-p: must be in (0, 1], got {top_p!r}")
+    top_k = form["top_k"]
+    if top_k is None or top_k != int(top_k) or top_k < -1 or top_k == 0:
+        raise ValueError(f"top-k: must be -1 (off) or a whole number >= 1, got {top_k!r}")
     if max_model_len is not None:
         longest = prefix + max_length(input_len) + max_length(output_len)
         if longest > max_model_len:
@@ -148,6 +158,8 @@ def spec_from_form(values: Mapping[str, Any], max_model_len: int | None = None) 
         prefix_len=prefix,
         seed=_whole("seed", form["seed"], minimum=0),
         temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
         ignore_eos=bool(form["ignore_eos"]),
     )
 

@@ -209,11 +209,16 @@ def test_workload_form_to_spec_and_readable_errors():
         ({"input_kind": "uniform", "input_low": 50, "input_high": 10}, "min 50 > max 10"),
         ({"output_kind": "normal", "output_std": 0}, "output std"),
         ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top-p"),
+        ({"top_k": 0}, "top-k"),
+        ({"top_k": 2.5}, "top-k"),
     ):
         with pytest.raises(ValueError, match=match):
             spec_from_form(bad)
     with pytest.raises(ValueError, match="max_model_len 100"):
         spec_from_form({}, max_model_len=100)
+    spec = spec_from_form({"temperature": 0.8, "top_p": 0.9, "top_k": 20})
+    assert (spec.temperature, spec.top_p, spec.top_k) == (0.8, 0.9, 20)
 
 
 def test_chat_helpers():
@@ -384,7 +389,7 @@ def test_api_bad_values_give_messages_not_tracebacks(client):
     args = dict(num_prompts=0, max_concurrency=0, seed=0, arrival="all at once",
                 request_rate=1, burstiness=1, input_kind="fixed", input_mean=8, input_low=1,
                 input_high=8, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
-                output_high=4, output_std=1, prefix_len=0, temperature=0, ignore_eos=True)  # fmt: skip
+                output_high=4, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1, ignore_eos=True)  # fmt: skip
     out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
     assert "Not started" in out[1] and "number of requests" in out[1]
 
@@ -393,7 +398,7 @@ def test_api_load_test_live_and_kv_tabs(client):
     args = dict(num_prompts=4, max_concurrency=2, seed=0, arrival="Poisson",
                 request_rate=20, burstiness=1, input_kind="uniform", input_mean=8, input_low=8,
                 input_high=24, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
-                output_high=4, output_std=1, prefix_len=8, temperature=0, ignore_eos=True)  # fmt: skip
+                output_high=4, output_std=1, prefix_len=8, temperature=0, top_p=1, top_k=-1, ignore_eos=True)  # fmt: skip
     out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
     progress, status, _, _, _, table, download = out
     rows = {r[0]: r[1] for r in table["data"]}
@@ -461,7 +466,7 @@ def test_api_chat_and_live_refresh_answer_during_a_load_test(client, service):
     args = dict(num_prompts=6, max_concurrency=0, seed=1, arrival="all at once",
                 request_rate=1, burstiness=1, input_kind="fixed", input_mean=32, input_low=1,
                 input_high=32, input_std=1, output_kind="fixed", output_mean=64, output_low=1,
-                output_high=64, output_std=1, prefix_len=0, temperature=0, ignore_eos=True)  # fmt: skip
+                output_high=64, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1, ignore_eos=True)  # fmt: skip
     job = client.submit(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
     deadline = time.monotonic() + 30
     while service.stats().num_running < 6 and time.monotonic() < deadline:

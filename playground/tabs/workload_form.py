@@ -68,5 +68,8 @@ def workload_form(defaults: Mapping[str, Any], fields: Sequence[str]) -> dict[st
                 min_width=90,
             )
             parts["temperature"] = gr.Number(d["temperature"], label="Temperature", min_width=90)
+            parts["top_p"] = gr.Number(d["top_p"], label="Top-p", min_width=70)
+            parts["top_k"] = gr.Number(d["top_k"], label="Top-k (-1 = off)", precision=0,
+                                       min_width=70)  # fmt: skip
             parts["ignore_eos"] = gr.Checkbox(d["ignore_eos"], label="Ignore EOS (exact lengths)")
     return {name: parts[name] for name in fields}
