@@ -142,73 +142,51 @@ def sse(obj: dict[str, Any] | str) -> str:
 SSE_DONE = sse("[DONE]")
 
 
-def completion_response(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int]
+def _envelope(
+    request_id: str, obj: str, model: str, choices: list[dict[str, Any]], **extra: Any
 ) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_,
-    }
-
-
-def completion_chunk(
-    request_id: str, model: str, text: str, finish_reason: str | None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def chat_response(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int]
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage_,
-    }
-
-
-def chat_chunk(
-    request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def usage_chunk(request_id: str, model: str, obj: str, usage_: dict[str, int]) -> dict[str, Any]:
-    """The last chunk when stream_options.include_usage: no choices, only usage."""
+    """What every OpenAI response and stream chunk carries around its choices."""
     return {
         "id": request_id,
         "object": obj,
         "created": int(time.time()),
         "model": model,
-        "choices": [],
-        "usage": usage_,
+        "choices": choices,
+        **extra,
     }
+
+
+def completion_response(
+    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int]
+) -> dict[str, Any]:
+    return {**completion_chunk(request_id, model, text, finish_reason), "usage": usage_}
+
+
+def completion_chunk(
+    request_id: str, model: str, text: str, finish_reason: str | None
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(request_id, "text_completion", model, [choice])
+
+
+def chat_response(
+    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int]
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(request_id, "chat.completion", model, [choice], usage=usage_)
+
+
+def chat_chunk(
+    request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(request_id, "chat.completion.chunk", model, [choice])
+
+
+def usage_chunk(request_id: str, model: str, obj: str, usage_: dict[str, int]) -> dict[str, Any]:
+    """The last chunk when stream_options.include_usage: no choices, only usage."""
+    return _envelope(request_id, obj, model, [], usage=usage_)
 
 
 # --- requests -> engine inputs ---------------------------------------------------------------
