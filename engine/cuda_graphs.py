@@ -11,6 +11,7 @@ decode kernel writes zeros). Only pure-decode steps use graphs; prefills run eag
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -48,7 +49,7 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32,
                                         device=device)  # fmt: skip
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Callable[[], None]] = {}  # bucket -> replay
         self.outputs: dict[int, torch.Tensor] = {}
         self._pool = None
 
@@ -67,16 +68,25 @@ class CudaGraphRunner:
         for batch in reversed(self.buckets):
             meta = self._metadata(batch)
             args = (self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
-            self.model(*args)  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.outputs[batch] = self.model(*args)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self.graphs[batch] = graph
-        torch.cuda.synchronize()
+            self.outputs[batch] = self._capture_bucket(batch, args)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
+
+    def _capture_bucket(self, batch: int, args: tuple) -> torch.Tensor:
+        """Warm up, then record one forward pass into a graph; returns its static output.
+
+        (The one CUDA-only part: tests on CPU swap it for a re-run of the forward pass, so the
+        static buffers, padding and bucket choice around it are tested without a GPU.)
+        """
+        self.model(*args)  # warm-up: Triton compiles and autotunes outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self.model(*args)
+        if self._pool is None:
+            self._pool = graph.pool()
+        torch.cuda.synchronize()
+        self.graphs[batch] = graph.replay
+        return output
 
     def can_run(self, batch: int) -> bool:
         return bool(self.graphs) and batch <= self.buckets[-1]
@@ -102,5 +112,5 @@ class CudaGraphRunner:
         self.seq_lens[batch:bucket].fill_(0)
         rows = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         self.block_tables[:batch, :width].copy_(rows, non_blocking=True)
-        self.graphs[bucket].replay()
+        self.graphs[bucket]()
         return self.outputs[bucket][:batch]
