@@ -18,6 +18,7 @@ the grid is sized from block_tables' width, and partitions past a request's leng
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -204,6 +205,30 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty))
 
 
+class Launch(NamedTuple):
+    """How a kernel is launched: context tokens per K/V tile and warps per program."""
+
+    tile_tokens: int
+    num_warps: int
+
+
+def decode_launch(head_dim: int, dtype: torch.dtype) -> Launch:
+    """The decode kernel's K/V tile and warps per program.
+
+    The kernel is a memory-bound gather, so the pick maximizes K/V bytes in flight per SM
+    (resident programs x one K+V tile) among launches that do not spill registers, from
+    ptxas's sm_90 report of every candidate (scripts/kernel_resources.py --sweep): for Llama-3-8B
+    in bf16, 64-token tiles in 4 warps take 93 registers, 5 programs/SM, 160 KiB in flight,
+    vs 64 KiB for 16-token tiles. float32 (no tensor cores) halves the tile at head_dim 128.
+    A GPU run of scripts/gpu_check.py times the candidates to confirm or replace the pick.
+    """
+    if head_dim > 128:
+        return Launch(16 if dtype == torch.float32 else 32, 4)
+    if dtype == torch.float32 and head_dim == 128:
+        return Launch(32, 4)
+    return Launch(64, 4)
+
+
 @functools.cache
 def device_num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; a small stand-in for the CPU interpreter."""
@@ -290,6 +315,7 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,  # int32 [batch], context length including the new token
     scale: float,
     out: torch.Tensor | None = None,  # [batch, num_heads, head_dim], query dtype
+    launch: Launch | None = None,  # default decode_launch(); set by tuning sweeps
 ) -> torch.Tensor:
     """Attention of each request's newest token over positions [0, seq_len). Returns out.
 
@@ -316,7 +342,7 @@ def paged_attention_decode(
     partial_max = torch.empty(0 if direct else math.prod(scratch), **f32)
     partial_sum = torch.empty_like(partial_max)
     partial_acc = torch.empty(0 if direct else math.prod(scratch) * head_dim, **f32)
-    tile_tokens = 64 if head_dim <= 128 else 32
+    launch = launch or decode_launch(head_dim, query.dtype)
     scale_log2 = float(scale) * LOG2_E
 
     _decode_partition_kernel[(num_kv_heads, batch, num_partitions)](
@@ -340,11 +366,11 @@ def paged_attention_decode(
         GROUP_ROWS=max(16, triton.next_power_of_2(group_size)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        TILE_TOKENS=tile_tokens,
+        TILE_TOKENS=launch.tile_tokens,
         PARTITION_TOKENS=partition_tokens,
         DIRECT_OUTPUT=direct,
         UPCAST_DOT=upcast_dot(query.dtype, query.device),
-        num_warps=4,
+        num_warps=launch.num_warps,
     )
     if not direct:
         _decode_reduce_kernel[(num_heads, batch)](

@@ -25,12 +25,27 @@ import triton.language as tl
 
 from kernels.paged_attention_decode import (
     LOG2_E,
+    Launch,
     check_attention_inputs,
     dot_f32,
     load_kv_tile,
     online_softmax_step,
     upcast_dot,
 )
+
+
+def prefill_launch(head_dim: int, dtype: torch.dtype) -> Launch:
+    """The prefill kernel's K/V tile and warps (64 query rows per program).
+
+    Prefill is compute-bound: the largest K/V tile that does not spill registers, then the
+    most resident warps, from ptxas's sm_90 report of every candidate
+    (scripts/kernel_resources.py --sweep). 64-token tiles fit in 103-140 registers in 8 warps,
+    as many or more resident warps than 4 warps give; float32 (no tensor cores) spills at 64
+    tokens and takes 32; head_dim 256 gets 16.
+    """
+    if head_dim > 128:
+        return Launch(16, 8)
+    return Launch(32 if dtype == torch.float32 else 64, 8)
 
 
 @triton.jit
@@ -131,6 +146,7 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,  # int32 [batch + 1], cumulative query token counts
     scale: float,
     out: torch.Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
+    launch: Launch | None = None,  # default prefill_launch(); set by tuning sweeps
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its context. Returns out.
 
@@ -160,12 +176,7 @@ def paged_attention_prefill(
     block_rows = max(64, triton.next_power_of_2(group_size))
     tile_query_tokens = block_rows // group_size
     num_tiles = total_tokens // tile_query_tokens + batch
-    # float32 has no tensor-core path: smaller K/V tiles and 8 warps keep the FMA dot from
-    # spilling registers (ptxas for sm_90); 16-bit dtypes fit 64-token tiles in 4 warps.
-    if query.dtype == torch.float32:
-        tile_tokens, num_warps = (32 if head_dim <= 128 else 16), 8
-    else:
-        tile_tokens, num_warps = (64 if head_dim <= 128 else 32), 4
+    launch = launch or prefill_launch(head_dim, query.dtype)
     _prefill_kernel[(num_tiles, num_kv_heads)](
         query,
         k_cache,
@@ -187,8 +198,8 @@ def paged_attention_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_ROWS=block_rows,
         TILE_QUERY_TOKENS=tile_query_tokens,
-        TILE_TOKENS=tile_tokens,
+        TILE_TOKENS=launch.tile_tokens,
         UPCAST_DOT=upcast_dot(query.dtype, query.device),
-        num_warps=num_warps,
+        num_warps=launch.num_warps,
     )
     return out

@@ -96,6 +96,7 @@ def kernel_cases(cpu: bool) -> list[dict]:
             {"kernel": "decode", "dtype": "float32", "seq_lens": [5, 700], **smol},
             {"kernel": "prefill", "dtype": "float16", "requests": [(40, 40), (200, 33)], **tiny},
             {"kernel": "prefill", "dtype": "float32", "requests": [(90, 17)], **smol},
+            *tuning_cases(tiny, [3, 200], [(50, 20)], tiles=(16,)),
         ]
     return [
         {"kernel": "kv_store", "dtype": "bfloat16", "num_tokens": 64, **llama},
@@ -111,10 +112,30 @@ def kernel_cases(cpu: bool) -> list[dict]:
         {"kernel": "prefill", "dtype": "bfloat16", "requests": [(4096, 512)] * 4, **llama},
         {"kernel": "prefill", "dtype": "float32", "requests": [(700, 300), (64, 64)], **llama},
         {"kernel": "prefill", "dtype": "bfloat16", "requests": [(512, 512)] * 8, **smol},
+        *tuning_cases(llama, [2048] * 64, [(2048, 2048)]),
     ]
 
 
+def tuning_cases(
+    shape: dict, seq_lens: list[int], requests: list[tuple[int, int]], tiles=(16, 32, 64)
+) -> list[dict]:
+    """Every tile x warps candidate of decode (the 60% target case on a GPU) and prefill, each
+    checked and timed, so one GPU run confirms or replaces the wrappers' offline picks
+    (decode_launch, prefill_launch; see scripts/kernel_resources.py)."""
+    from kernels.paged_attention_decode import Launch
+
+    cases = []
+    for tile, warps in [(t, w) for t in tiles for w in (4, 8)]:
+        common = {"dtype": "bfloat16", "launch": Launch(tile, warps), **shape}
+        cases.append({"kernel": "decode", "seq_lens": seq_lens, **common})
+        cases.append({"kernel": "prefill", "requests": requests, **common})
+    return cases
+
+
 def case_name(case: dict) -> str:
+    if case.get("launch"):  # a tuning candidate: tile tokens / warps
+        launch = case["launch"]
+        return f"{case_name({**case, 'launch': None})} t{launch.tile_tokens}/w{launch.num_warps}"
     shape = f"{case['num_heads']}/{case['num_kv_heads']}x{case['head_dim']}"
     if case["kernel"] == "kv_store":
         return f"{case['num_tokens']} tok {shape}"
@@ -158,7 +179,9 @@ def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
     esize = torch.tensor([], dtype=dtype).element_size()
     hq, hkv, dim = case["num_heads"], case["num_kv_heads"], case["head_dim"]
     scale = dim**-0.5
-    row = {"check": case["kernel"], "case": case_name(case), "dtype": case["dtype"]}
+    launch = case.get("launch")  # a tuning candidate; None: the wrapper's own pick
+    check = "tune" if launch else case["kernel"]
+    row = {"check": check, "case": case_name(case), "dtype": case["dtype"]}
     baselines = {}
     torch.manual_seed(0)
     if case["kernel"] == "kv_store":
@@ -197,7 +220,7 @@ def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
                 query.shape[0], hkv, block_tables.shape[1] * 16, device
             )
             row["note"] = f"{num_partitions} partition(s)"
-            if device.type == "cuda":
+            if device.type == "cuda" and not launch:
                 baselines["sdpa"] = decode_sdpa_baseline(torch, query, *context, scale)
         else:
             query_start_loc = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
@@ -210,7 +233,7 @@ def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
                 * sum(q * (s - q) + q * (q + 1) / 2 for s, q in zip(seq_lens, q_lens, strict=True))
                 / 1e12
             )
-        kernel(*args, out=out)
+        kernel(*args, out=out, launch=launch)
         ref = reference(*args)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         written = not bool(out.isnan().any())
@@ -219,7 +242,11 @@ def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
             ok=written and err <= TOLERANCE[case["dtype"]],
         )
         floor_bytes = (2 * sum(seq_lens) * hkv + 2 * sum(q_lens) * hq) * dim * esize
-        run, baselines["ref"] = lambda: kernel(*args, out=out), lambda: reference(*args)
+        run = lambda: kernel(*args, out=out, launch=launch)  # noqa: E731
+        if launch:
+            row["note"] = f"{row.get('note', '')}{wrapper_pick_note(case, dtype)}".lstrip(", ")
+        else:
+            baselines["ref"] = lambda: reference(*args)
         if "sdpa" in baselines:  # the baseline must compute the same thing to be a baseline
             sdpa_err = (
                 (baselines["sdpa"]().float() - ref.float()).norm() / ref.float().norm()
@@ -229,6 +256,14 @@ def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
     if bandwidth:
         time_case(row, run, baselines, floor_bytes, bandwidth)
     return row
+
+
+def wrapper_pick_note(case: dict, dtype) -> str:
+    from kernels.paged_attention_decode import decode_launch
+    from kernels.paged_attention_prefill import prefill_launch
+
+    pick = decode_launch if case["kernel"] == "decode" else prefill_launch
+    return ", the wrapper's pick" if pick(case["head_dim"], dtype) == case["launch"] else ""
 
 
 def decode_sdpa_baseline(torch, query, k_cache, v_cache, block_tables, seq_lens, scale):
