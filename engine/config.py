@@ -33,6 +33,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES  # CPU budget for the KV cache
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
     kv_layout: KVLayout = "paged"
+    # Share the KV blocks of prompt prefixes computed before (needs the paged layout).
+    enable_prefix_caching: bool = False
 
     # --- scheduling ---
     max_num_seqs: int = 64  # most requests in one step
@@ -56,6 +58,8 @@ class EngineConfig:
         _check_choice("batching", self.batching, ("continuous", "static"))
         _check_choice("kv_layout", self.kv_layout, ("paged", "contiguous"))
         _check_choice("attention_backend", self.attention_backend, ("auto", "triton", "torch"))
+        if self.enable_prefix_caching and self.kv_layout != "paged":
+            raise ValueError("enable_prefix_caching: needs kv_layout='paged'")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model: must be a non-empty model spec")
         _check_positive("block_size", self.block_size)

@@ -56,7 +56,11 @@ class LLMEngine:
             )
         self.runner = ModelRunner(config, self.source, self.max_model_len)
         self.block_manager = BlockManager(
-            self.runner.kv_spec.num_blocks, config.block_size, config.kv_layout, self.max_model_len
+            self.runner.kv_spec.num_blocks,
+            config.block_size,
+            config.kv_layout,
+            self.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -275,7 +279,16 @@ class LLMEngine:
             num_kv_blocks=bm.num_blocks,
             flops=cost.flops,
             bytes_moved=cost.bytes_moved,
+            num_blocks_cached=bm.num_cached_blocks if bm.enable_prefix_caching else 0,
+            num_prefix_query_tokens=sched.num_prefix_query_tokens,
+            num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
         )
+        if sched.num_prefix_query_tokens:
+            self.scheduler.num_prefix_query_tokens_total += sched.num_prefix_query_tokens
+            self.scheduler.num_prefix_hit_tokens_total += sched.num_prefix_hit_tokens
+            self.metrics_registry.observe_prefix_cache(
+                sched.num_prefix_query_tokens, sched.num_prefix_hit_tokens
+            )
         self._num_steps += 1
         self.step_history.append(stats)
         self.metrics_registry.observe_step(stats)
@@ -291,6 +304,10 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_prefix_query_tokens_total=self.scheduler.num_prefix_query_tokens_total,
+            num_prefix_hit_tokens_total=self.scheduler.num_prefix_hit_tokens_total,
+            num_cached_kv_blocks=self.block_manager.num_cached_blocks,
+            num_prefix_evictions_total=self.block_manager.num_evictions_total,
             num_steps_total=self._num_steps,
             steps=self.step_history.snapshot(),
             finished=self.finished_history.snapshot(),

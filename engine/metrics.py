@@ -217,6 +217,8 @@ class StepStats:
     flops: float  # estimated floating-point operations (step_cost)
     bytes_moved: float  # estimated device-memory bytes read + written (step_cost)
     num_blocks_cached: int = 0  # free blocks that still hold a reusable prefix-cache hash
+    num_prefix_query_tokens: int = 0  # prompt tokens of requests admitted this step
+    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed)
 
     @property
     def num_tokens(self) -> int:

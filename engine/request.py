@@ -96,6 +96,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
 
     @property
     def queue_s(self) -> float | None:

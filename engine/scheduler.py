@@ -41,6 +41,9 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)  # preempted during this step
     num_prefill_tokens: int = 0  # tokens of requests with more than one new token
     num_decode_tokens: int = 0  # tokens of requests with exactly one new token
+    # Prefix cache, for requests admitted this step: tokens looked up, tokens found cached.
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -69,6 +72,9 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
+        # Prefix cache, over all admissions: prompt tokens looked up / found cached.
+        self.num_prefix_query_tokens_total = 0
+        self.num_prefix_hit_tokens_total = 0
 
     # --- queue management ---
     def add_request(self, request: Request) -> None:
@@ -122,16 +128,25 @@ class Scheduler:
         # 2) Waiting requests (continuous only), unless this step had to preempt: the blocks
         #    are too scarce to take on more work.
         if not self.static and not out.preempted_ids:
+            bm = self.block_manager
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                num_new = self._num_new_tokens(request, budget)
+                # Fresh (or preempted) requests start from their longest cached prefix.
+                prefix = bm.lookup_prefix(request.all_token_ids) if bm.enable_prefix_caching else []
+                cached_tokens = len(prefix) * bm.block_size
+                num_new = self._num_new_tokens(request, budget, skip=cached_tokens)
                 if num_new == 0:
                     break
-                target = request.num_computed_tokens + num_new
-                if not self.block_manager.can_allocate(request.request_id, target):
+                target = request.num_computed_tokens + cached_tokens + num_new
+                if not bm.can_allocate(request.request_id, target, prefix):
                     break
                 self.waiting.popleft()
-                self.block_manager.allocate(request.request_id, target)
+                bm.allocate(request.request_id, target, prefix)
+                if bm.enable_prefix_caching:
+                    request.num_computed_tokens = cached_tokens
+                    request.metrics.num_cached_tokens = cached_tokens
+                    out.num_prefix_query_tokens += request.num_tokens
+                    out.num_prefix_hit_tokens += cached_tokens
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 self._add(out, request, num_new)
@@ -151,8 +166,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, skip: int = 0) -> int:
+        """Tokens to compute this step; `skip` more are already cached (prefix hit)."""
+        num_new = request.num_tokens - request.num_computed_tokens - skip
         if num_new > budget:
             if not self.enable_chunked_prefill:
                 return 0
@@ -208,6 +224,10 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted later in the same step (its work is discarded)
             request.num_computed_tokens += item.num_new_tokens
+            if self.block_manager.enable_prefix_caching:
+                self.block_manager.cache_full_blocks(
+                    request.request_id, request.all_token_ids, request.num_computed_tokens
+                )
             token = sampled.get(request.request_id)
             if token is None:
                 continue

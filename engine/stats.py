@@ -38,12 +38,24 @@ class EngineStats:
     num_waiting: int
     num_preemptions_total: int
     num_steps_total: int
+    # Prefix cache (zero when it is off): prompt tokens looked up and found at admission,
+    # free blocks still holding a prefix, cached blocks evicted for new tokens.
+    num_prefix_query_tokens_total: int = 0
+    num_prefix_hit_tokens_total: int = 0
+    num_cached_kv_blocks: int = 0
+    num_prefix_evictions_total: int = 0
     steps: list[StepStats] = field(default_factory=list)  # most recent last
     finished: list[FinishedRequest] = field(default_factory=list)  # most recent last
 
     @property
     def num_used_kv_blocks(self) -> int:
         return self.num_kv_blocks - self.num_free_kv_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens found in the prefix cache (0 when none)."""
+        queries = self.num_prefix_query_tokens_total
+        return self.num_prefix_hit_tokens_total / queries if queries else 0.0
 
     @property
     def kv_cache_usage(self) -> float:
