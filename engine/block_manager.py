@@ -86,6 +86,7 @@ class BlockManager:
         # here because a block whose key was cached elsewhere first carries none itself.
         self._chain: dict[str, tuple[int, int | None]] = {}
         self.num_evictions_total = 0  # cached blocks handed out for new tokens
+        self._num_cached_free = 0  # free blocks with a key (counted, not scanned, per step)
 
     # --- queries ---
     @property
@@ -104,7 +105,7 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         """Free blocks that still hold a reusable prefix (the block map's "cached")."""
-        return sum(self._key_of_block[b] is not None for b in self._free)
+        return self._num_cached_free
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -178,6 +179,7 @@ class BlockManager:
             for block_id in prefix_blocks:
                 if self._ref_counts[block_id] == 0:
                     del self._free[block_id]  # cached and free: back in use
+                    self._num_cached_free -= 1
                     self._owner[block_id] = request_id
                     needed -= 1
                 self._ref_counts[block_id] += 1
@@ -201,6 +203,7 @@ class BlockManager:
             self._key_of_block[block_id] = None
             self._tokens_of_block[block_id] = None
             self.num_evictions_total += 1
+            self._num_cached_free -= 1
         return block_id
 
     def cache_full_blocks(
@@ -245,6 +248,7 @@ class BlockManager:
             if self._ref_counts[block_id] == 0:
                 self._owner[block_id] = None
                 self._free[block_id] = None
+                self._num_cached_free += self._key_of_block[block_id] is not None
                 released += 1
         return released
 
@@ -284,3 +288,5 @@ class BlockManager:
         for key, block_id in self._block_of_key.items():
             assert self._key_of_block[block_id] == key, f"prefix key of block {block_id}"
         assert sum(k is not None for k in self._key_of_block) == len(self._block_of_key)
+        cached_free = sum(self._key_of_block[b] is not None for b in self._free)
+        assert self._num_cached_free == cached_free, "count of cached free blocks"
