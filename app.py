@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context cap in tokens")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV blocks of prompt prefixes seen before (a chat's earlier turns)",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
         service = EngineService(config)

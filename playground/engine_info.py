@@ -21,6 +21,7 @@ class EngineInfo:
     kv_cache_bytes: int  # bytes of the allocated K and V tensors
     batching: str  # "continuous" | "static"
     kv_layout: str  # "paged" | "contiguous"
+    enable_prefix_caching: bool
     max_num_seqs: int
     max_num_batched_tokens: int
 
@@ -39,6 +40,7 @@ def engine_info(service: Any) -> EngineInfo:
         kv_cache_bytes=stats.kv_cache_bytes,
         batching=config.batching,
         kv_layout=config.kv_layout,
+        enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
@@ -48,7 +50,8 @@ def describe(info: EngineInfo) -> str:
     """One line for page headers: model, device, dtype, KV pool, scheduling."""
     return (
         f"**{info.model_name}** on {info.device} ({info.dtype}) · KV pool "
-        f"{info.num_kv_blocks} blocks x {info.block_size} tokens ({info.kv_layout}) · "
+        f"{info.num_kv_blocks} blocks x {info.block_size} tokens ({info.kv_layout}, prefix "
+        f"caching {'on' if info.enable_prefix_caching else 'off'}) · "
         f"{info.batching} batching, max_num_seqs {info.max_num_seqs}, "
         f"max_num_batched_tokens {info.max_num_batched_tokens}, max_model_len "
         f"{info.max_model_len}"

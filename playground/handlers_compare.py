@@ -21,11 +21,19 @@ from engine.metrics import StepStats
 from playground.handlers_loadtest import BackgroundRun, progress_html
 from playground.loadgen import EngineTarget, GenRequest, LoadTestResult, WorkloadSpec
 
-SIDE_FIELDS = ("batching", "kv_layout", "block_size", "max_num_seqs", "max_num_batched_tokens")
+SIDE_FIELDS = (
+    "batching",
+    "kv_layout",
+    "enable_prefix_caching",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+)
 BLOCK_SIZES = (8, 16, 32, 64)
 DEFAULT_SIDE: dict[str, Any] = {
     "batching": "continuous",
     "kv_layout": "paged",
+    "enable_prefix_caching": False,
     "block_size": 16,
     "max_num_seqs": 8,
     "max_num_batched_tokens": 256,
@@ -35,12 +43,20 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "contiguous vs paged KV": ({"kv_layout": "contiguous"}, {"kv_layout": "paged"}),
     "max_num_seqs 2 vs 8": ({"max_num_seqs": 2}, {"max_num_seqs": 8}),
     "block size 64 vs 16": ({"block_size": 64}, {"block_size": 16}),
+    "prefix caching off vs on (shared prompt prefix)": (
+        {"enable_prefix_caching": False},
+        {"enable_prefix_caching": True},
+    ),
     "token budget 32 vs 256 (chunked prefill)": (
         {"max_num_batched_tokens": 32},
         {"max_num_batched_tokens": 256},
     ),
 }
 DEFAULT_PRESET = "static vs continuous batching"
+# Workload fields a preset sets too: prefix caching only pays off on prompts that share a prefix.
+PRESET_WORKLOAD: dict[str, dict[str, Any]] = {
+    "prefix caching off vs on (shared prompt prefix)": {"prefix_len": 192},
+}
 # Small enough for a 2-core CPU: each side finishes in seconds with the embedded model.
 DEFAULT_COMPARE_WORKLOAD: dict[str, Any] = {
     "num_prompts": 16,
@@ -86,6 +102,9 @@ def side_config(
         raise ValueError(
             f"KV budget: {kv_budget_tokens} tokens hold no block of {values['block_size']}"
         )
+    prefix_caching = bool(side.get("enable_prefix_caching", False))
+    if side["kv_layout"] == "contiguous" and prefix_caching:
+        raise ValueError("prefix caching: needs the paged KV layout (blocks are what is shared)")
     if (
         side["kv_layout"] == "contiguous"
         and -(-int(max_model_len) // values["block_size"]) > num_blocks
@@ -97,6 +116,7 @@ def side_config(
     return base.replace(
         batching=side["batching"],
         kv_layout=side["kv_layout"],
+        enable_prefix_caching=prefix_caching,
         num_kv_blocks=num_blocks,
         max_model_len=int(max_model_len),
         **values,
@@ -258,6 +278,8 @@ COMPARE_ROWS = (
     ("Engine steps", "num_steps", "lower"),
     ("Mean requests per step", "mean_batch", "higher"),
     ("Preemptions", "preemptions", "lower"),
+    ("Prompt tokens computed (prefill)", "prefill_tokens", "lower"),
+    ("Prompt tokens from the prefix cache", "prefix_hit_tokens", "higher"),
     ("Engine start-up (s, not in the run)", "load_s", None),
 )
 COMPARE_HEADERS = ["metric", "A", "B", "B / A", "better"]
@@ -271,6 +293,8 @@ def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
     m["num_steps"] = len(steps)
     m["mean_batch"] = statistics.fmean(s.batch_size for s in steps) if steps else None
     m["preemptions"] = sum(s.num_preemptions for s in steps)
+    m["prefill_tokens"] = sum(s.num_prefill_tokens for s in steps)
+    m["prefix_hit_tokens"] = sum(s.num_prefix_hit_tokens for s in steps)
     m["load_s"] = outcome.load_s
     return m
 

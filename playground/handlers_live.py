@@ -51,7 +51,20 @@ def summary_markdown(stats: EngineStats, num_used_blocks: int) -> str:
         f"**KV blocks used: {num_used_blocks} / {stats.num_kv_blocks}** ({pct:.1f} %, "
         f"{stats.block_size} tokens per block, pool {fmt_bytes(stats.kv_cache_bytes)}) · "
         f"running **{stats.num_running}** · waiting **{stats.num_waiting}** · "
-        f"steps {stats.num_steps_total} · preemptions {stats.num_preemptions_total} · {step}"
+        f"steps {stats.num_steps_total} · preemptions {stats.num_preemptions_total} · "
+        f"{prefix_cache_text(stats)}{step}"
+    )
+
+
+def prefix_cache_text(stats: EngineStats) -> str:
+    """Prefix-cache hits so far ("" until a prompt was looked up, i.e. when caching is off)."""
+    if not stats.num_prefix_query_tokens_total:
+        return ""
+    return (
+        f"prefix cache: {stats.num_prefix_hit_tokens_total:,} of "
+        f"{stats.num_prefix_query_tokens_total:,} prompt tokens hit "
+        f"({100 * stats.prefix_cache_hit_rate:.0f} %), {stats.num_cached_kv_blocks} blocks "
+        f"cached, {stats.num_prefix_evictions_total} evicted · "
     )
 
 

@@ -51,8 +51,9 @@ def app_url():
 
     service = EngineService(
         EngineConfig(
-            model="smollm2-135m", dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=1024
-        )
+            model="smollm2-135m", dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=1024,
+            enable_prefix_caching=True,  # as `make run` starts it
+        )  # fmt: skip
     )
     demo = build_app(service)
     port = _free_port()

@@ -264,6 +264,11 @@ def test_compare_side_configs_hold_the_kv_budget_in_tokens():
         side_config(base, contiguous, 256, 512)
     with pytest.raises(ValueError, match="max_num_seqs"):
         side_config(base, {**continuous, "max_num_seqs": 0}, 4096, 512)
+    off, on = preset_sides("prefix caching off vs on (shared prompt prefix)")
+    assert side_config(base, on, 4096, 512).enable_prefix_caching
+    assert not side_config(base, off, 4096, 512).enable_prefix_caching
+    with pytest.raises(ValueError, match="paged KV layout"):
+        side_config(base, {**on, "kv_layout": "contiguous"}, 4096, 512)
 
 
 # --- handlers with a real engine ------------------------------------------------------------
@@ -447,6 +452,36 @@ def test_background_compare_runs_both_sides_and_keeps_peak_maps(service):
     assert rows["Successful requests"][1:3] == ["3", "3"]
 
 
+def test_compare_prefix_caching_computes_only_the_uncached_prompt_tokens(service):
+    """The preset's workload (a shared prefix) on both sides: B finds the prefix in its cache
+    and computes fewer prompt tokens; the rows say so, with B as the better side."""
+    from engine.service import EngineService
+    from playground.handlers_compare import PRESET_WORKLOAD, BackgroundCompare, side_label
+    from playground.loadgen import build_requests
+
+    name = "prefix caching off vs on (shared prompt prefix)"
+    spec = spec_from_form({"num_prompts": 4, "arrival": "all at once", "input_kind": "fixed",
+                           "input_mean": 8, "output_kind": "fixed", "output_mean": 2,
+                           "max_concurrency": 1, **PRESET_WORKLOAD[name]})  # fmt: skip
+    off, on = preset_sides(name)
+    sides = [
+        (n, side_label(n, side, other), side_config(service.config, side, 1024, 256))
+        for n, side, other in (("A", off, on), ("B", on, off))
+    ]
+    cmp = BackgroundCompare(spec, sides, build_requests(spec, service.tokenizer), EngineService)
+    assert cmp.start().done.wait(120)
+    a, b = cmp.outcomes
+    assert a.error is None and b.error is None
+    rows = {r[0]: r for r in compare_rows(a, b)}
+    prompt_tokens = 4 * (192 + 8)
+    assert rows["Prompt tokens computed (prefill)"][1] == str(prompt_tokens)
+    assert rows["Prompt tokens from the prefix cache"][1] == "0"
+    hits = int(rows["Prompt tokens from the prefix cache"][2])
+    assert hits >= 3 * (192 // 16 - 1) * 16  # one at a time: requests 2-4 find the prefix
+    assert rows["Prompt tokens computed (prefill)"][2] == str(prompt_tokens - hits)
+    assert rows["Prompt tokens computed (prefill)"][4] == "B"
+
+
 def test_api_two_sessions_chat_at_once_in_the_same_engine_steps(client, service):
     from gradio_client import Client
 
@@ -479,3 +514,17 @@ def test_api_chat_and_live_refresh_answer_during_a_load_test(client, service):
     assert not job.done()  # the chat reply came back while the load test was still running
     rows = {r[0]: r[1] for r in job.result(timeout=120)[5]["data"]}
     assert rows["Successful requests"] == "6"
+
+
+def test_live_summary_reports_prefix_cache_hits_once_used():
+    from engine.stats import EngineStats
+    from playground.handlers_live import summary_markdown
+
+    base = dict(num_kv_blocks=64, num_free_kv_blocks=60, block_size=16, kv_cache_bytes=1 << 20,
+                num_running=1, num_waiting=0, num_preemptions_total=0, num_steps_total=3)  # fmt: skip
+    assert "prefix cache" not in summary_markdown(EngineStats(**base), 4)
+    stats = EngineStats(**base, num_prefix_query_tokens_total=400, num_prefix_hit_tokens_total=300,
+                        num_cached_kv_blocks=12, num_prefix_evictions_total=2)  # fmt: skip
+    assert "prefix cache: 300 of 400 prompt tokens hit (75 %), 12 blocks cached, 2 evicted" in (
+        summary_markdown(stats, 4)
+    )

@@ -213,7 +213,8 @@ def test_app_compare_two_servers(app, server):
     _, client = app
     work = dict(num_prompts=3, seed=0, arrival="all at once", request_rate=1,
                 input_kind="fixed", input_mean=16, input_low=1, input_high=16, input_std=1,
-                output_kind="fixed", output_mean=3, output_low=1, output_high=3, output_std=1)  # fmt: skip
+                output_kind="fixed", output_mean=3, output_low=1, output_high=3, output_std=1,
+                prefix_len=8)  # fmt: skip
     values = [work[k] for k in COMPARE_FIELDS]
     _, status, *_ = client.predict("", "", "", *values, api_name="/compare")
     assert "Not started" in status and "B base URL" in status

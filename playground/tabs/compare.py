@@ -25,6 +25,7 @@ from playground.handlers_compare import (
     DEFAULT_KV_BUDGET_TOKENS,
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_PRESET,
+    PRESET_WORKLOAD,
     PRESETS,
     SIDE_FIELDS,
     BackgroundCompare,
@@ -46,6 +47,7 @@ WORKLOAD_FIELDS = (
     "arrival",
     "request_rate",
     *LENGTH_FIELDS,
+    "prefix_len",
 )
 
 
@@ -57,6 +59,9 @@ def _side_form(name: str, values: dict) -> dict:
     )
     parts["kv_layout"] = gr.Radio(
         ["contiguous", "paged"], value=values["kv_layout"], label="KV layout"
+    )
+    parts["enable_prefix_caching"] = gr.Checkbox(
+        value=values["enable_prefix_caching"], label="Prefix caching (paged layout only)"
     )
     parts["block_size"] = gr.Dropdown(
         list(BLOCK_SIZES), value=values["block_size"], label="Block size (tokens)"
@@ -189,7 +194,12 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
 
     def apply_preset(name):
         a, b = preset_sides(name)
-        return [a[f] for f in SIDE_FIELDS] + [b[f] for f in SIDE_FIELDS]
+        workload = PRESET_WORKLOAD.get(name, {})
+        return (
+            [a[f] for f in SIDE_FIELDS]
+            + [b[f] for f in SIDE_FIELDS]
+            + [workload.get(f, gr.skip()) for f in preset_workload_fields]
+        )
 
     async def run_compare(kv_budget, max_model_len, *values):
         n = len(SIDE_FIELDS)
@@ -225,7 +235,13 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         yield (cmp.final_progress(), status, rows, *figures)
 
     side_inputs = [*ui.side_a.values(), *ui.side_b.values()]
-    ui.preset.change(apply_preset, ui.preset, side_inputs, api_visibility="private")
+    preset_workload_fields = sorted({f for w in PRESET_WORKLOAD.values() for f in w})
+    ui.preset.change(
+        apply_preset,
+        ui.preset,
+        side_inputs + [ui.form[f] for f in preset_workload_fields],
+        api_visibility="private",
+    )
     outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate, ui.batch, ui.map_a, ui.map_b]
     inputs = [ui.kv_budget, ui.max_model_len, *side_inputs, *ui.form.values()]
     ui.run.click(run_compare, inputs, outputs, api_name="compare", **BENCHMARK_QUEUE)

@@ -59,17 +59,27 @@ def workload_form(defaults: Mapping[str, Any], fields: Sequence[str]) -> dict[st
             )
     _length_fields("input", d, parts)
     _length_fields("output", d, parts)
-    if "prefix_len" in fields:
+    row_fields = ("prefix_len", "temperature", "top_p", "top_k", "ignore_eos")
+    if any(f in fields for f in row_fields):
         with gr.Row():
-            parts["prefix_len"] = gr.Number(
-                d["prefix_len"],
-                label="Shared system-prompt prefix (tokens)",
-                precision=0,
-                min_width=90,
-            )
-            parts["temperature"] = gr.Number(d["temperature"], label="Temperature", min_width=90)
-            parts["top_p"] = gr.Number(d["top_p"], label="Top-p", min_width=70)
-            parts["top_k"] = gr.Number(d["top_k"], label="Top-k (-1 = off)", precision=0,
-                                       min_width=70)  # fmt: skip
-            parts["ignore_eos"] = gr.Checkbox(d["ignore_eos"], label="Ignore EOS (exact lengths)")
+            if "prefix_len" in fields:
+                parts["prefix_len"] = gr.Number(
+                    d["prefix_len"],
+                    label="Shared system-prompt prefix (tokens)",
+                    precision=0,
+                    min_width=90,
+                )
+            if "temperature" in fields:
+                parts["temperature"] = gr.Number(
+                    d["temperature"], label="Temperature", min_width=90
+                )
+            if "top_p" in fields:
+                parts["top_p"] = gr.Number(d["top_p"], label="Top-p", min_width=70)
+            if "top_k" in fields:
+                parts["top_k"] = gr.Number(d["top_k"], label="Top-k (-1 = off)", precision=0,
+                                           min_width=70)  # fmt: skip
+            if "ignore_eos" in fields:
+                parts["ignore_eos"] = gr.Checkbox(
+                    d["ignore_eos"], label="Ignore EOS (exact lengths)"
+                )
     return {name: parts[name] for name in fields}
