@@ -51,9 +51,12 @@ def app_url():
 
     service = EngineService(
         EngineConfig(
-            model="smollm2-135m", dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=1024,
+            model="smollm2-135m",
+            dtype="bfloat16",
+            num_kv_blocks=NUM_KV_BLOCKS,
+            max_model_len=1024,
             enable_prefix_caching=True,  # as `make run` starts it
-        )  # fmt: skip
+        )
     )
     demo = build_app(service)
     port = _free_port()
@@ -121,7 +124,6 @@ def test_chat_streams_and_the_block_map_follows_the_request(page):
     legend = page.locator("#block-map .legendtext", has_text=request_id)
     expect(legend).to_have_count(1, timeout=10_000)
     assert used_blocks(summary) > 0
-    shot(page, "engine")
     wait_text(page, "#live-summary", r"KV blocks used: 0 /", 60)
     expect(legend).to_have_count(0, timeout=10_000)
 
@@ -129,11 +131,17 @@ def test_chat_streams_and_the_block_map_follows_the_request(page):
     reply = wait_text(page, "#chatbot", r"TTFT \d+ ms · TPOT \d+ ms", 10)
     assert re.search(r"\d+ tokens", reply)
 
-    # Stop aborts a long reply at once.
+    # The second turn's prompt starts with the first turn: prefix caching finds those blocks.
     set_number(page, "tab-chat", "number input for Max new tokens", 1000)
     page.fill("#chat-input textarea", "Now write a very long poem.")
     page.click("#chat-send")
     wait_text(page, "#chatbot", r"streaming · [1-9]\d* tokens", 30)
+    open_tab(page, "Engine (live)")
+    wait_text(page, "#live-summary", r"prefix cache: [1-9][\d,]* of [\d,]+ prompt tokens hit", 20)
+    shot(page, "engine")
+
+    # Stop aborts a long reply at once.
+    open_tab(page, "Chat")
     page.click("#chat-stop")
     wait_text(page, "#chat-status", r"Stopped req-\d+", 10)
     wait_text(page, "#chatbot", r"tokens · stopped", 10)

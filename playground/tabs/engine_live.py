@@ -27,8 +27,11 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             gr.Markdown(
                 "Each cell is one KV block of the pool. Its color is the request holding it "
                 "(legend); gray cells are free. A lighter tint marks blocks *reserved but not "
-                "yet filled* (the contiguous layout reserves max_model_len up front). Hover a "
-                "cell for its block id, owner, tokens filled and ref count."
+                "yet filled* (the contiguous layout reserves max_model_len up front). With "
+                "prefix caching, *free, prefix-cached* blocks still hold a full block of an "
+                "earlier prompt for the next request that starts the same way, and a dot marks "
+                "a block shared by several requests. Hover a cell for its block id, owner, "
+                "tokens filled and ref count."
             )
     ui.queue = gr.HTML(elem_id="live-queue")
     ui.timeline = gr.Plot(
