@@ -4,7 +4,9 @@ Each request has `num_computed_tokens` (K/V already in the cache) and `num_token
 output). A step gives each chosen request `num_new_tokens` of work: a whole or chunked prefill,
 or one decode token. Running requests go first (FCFS); when blocks run out the newest running
 request is preempted (blocks freed, put back at the front of the waiting queue, recomputed
-later). Waiting requests are admitted while the budget, the sequence cap and the blocks allow.
+later). Waiting requests are admitted while the budget, the sequence cap and the blocks allow;
+with prefix caching an admitted request first shares its longest cached prefix of full blocks
+(BlockManager.lookup_prefix) and starts computing after it.
 
 `batching="static"` is the pre-Orca baseline: a batch is admitted only when the previous one
 has completely finished, so no request joins a running batch and early finishers leave holes.
@@ -108,7 +110,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         if self.static and not self.running:
-            self._admit_static_batch()
+            self._admit_static_batch(out)
 
         # 1) Running requests, oldest first.
         i = 0
@@ -141,30 +143,41 @@ class Scheduler:
                 if not bm.can_allocate(request.request_id, target, prefix):
                     break
                 self.waiting.popleft()
-                bm.allocate(request.request_id, target, prefix)
                 if bm.enable_prefix_caching:
-                    request.num_computed_tokens = cached_tokens
-                    request.metrics.num_cached_tokens = cached_tokens
-                    out.num_prefix_query_tokens += request.num_tokens
-                    out.num_prefix_hit_tokens += cached_tokens
+                    self._start_from_prefix(request, prefix, out)
+                bm.allocate(request.request_id, target)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 self._add(out, request, num_new)
                 budget -= num_new
         return out
 
-    def _admit_static_batch(self) -> None:
+    def _admit_static_batch(self, out: SchedulerOutput) -> None:
         """Static batching: take up to max_num_seqs waiting requests whose prompts all fit."""
-        blocks_left = self.block_manager.num_free_blocks
+        bm = self.block_manager
+        blocks_left = bm.num_free_blocks
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            blocks = self.block_manager.blocks_needed(request.request_id, request.num_tokens)
+            prefix = bm.lookup_prefix(request.all_token_ids) if bm.enable_prefix_caching else []
+            blocks = bm.blocks_needed(request.request_id, request.num_tokens, prefix)
             if blocks > blocks_left:
                 break
             blocks_left -= blocks
             self.waiting.popleft()
+            if bm.enable_prefix_caching:  # the rest is allocated as it is computed
+                self._start_from_prefix(request, prefix, out)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+
+    def _start_from_prefix(self, request: Request, prefix: list[int], out: SchedulerOutput) -> None:
+        """Count the lookup; share the cached prefix blocks, if any, and skip those tokens."""
+        cached_tokens = len(prefix) * self.block_manager.block_size
+        if prefix:
+            self.block_manager.allocate(request.request_id, cached_tokens, prefix)
+            request.num_computed_tokens = cached_tokens
+        request.metrics.num_cached_tokens = cached_tokens
+        out.num_prefix_query_tokens += request.num_tokens
+        out.num_prefix_hit_tokens += cached_tokens
 
     def _num_new_tokens(self, request: Request, budget: int, skip: int = 0) -> int:
         """Tokens to compute this step; `skip` more are already cached (prefix hit)."""

@@ -196,3 +196,23 @@ def test_preemption_with_prefix_caching_keeps_tokens(llm_f32):
     assert stats.num_preemptions_total > 0 and stats.num_prefix_hit_tokens_total > 0
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
     llm.engine.block_manager.check_invariants()
+
+
+def test_static_batching_uses_the_prefix_cache_too(llm_f32):
+    """Static batches admit from the cache as well: the second batch finds the first's
+    system-prompt blocks; tokens unchanged, nothing leaked."""
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    expected = [o.token_ids for o in llm_f32.generate(prompts, params)]
+    llm = LLM(
+        dtype="float32", max_model_len=512, enable_prefix_caching=True, block_size=8,
+        batching="static", max_num_seqs=1,
+    )  # fmt: skip
+    out = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert [o.token_ids for o in out] == expected
+    assert stats.num_prefix_query_tokens_total == sum(len(o.prompt_token_ids) for o in out)
+    assert stats.num_prefix_hit_tokens_total > 0 and out[0].metrics.num_cached_tokens == 0
+    assert all(o.metrics.num_cached_tokens > 0 for o in out[1:])
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    llm.engine.block_manager.check_invariants()
