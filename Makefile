@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test setup setup-dev browser lint format bench gpu-check clean
+.PHONY: run test setup setup-dev browser lint format bench bench-prefix gpu-check clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -57,6 +57,9 @@ format: setup-dev
 
 bench: setup
 	$(BIN)/python -m engine.bench $(ARGS)
+
+bench-prefix: setup
+	$(BIN)/python -m engine.bench_prefix $(ARGS)
 
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py $(ARGS)
