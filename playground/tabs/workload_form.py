@@ -37,13 +37,7 @@ def workload_form(defaults: Mapping[str, Any], fields: Sequence[str]) -> dict[st
         parts["num_prompts"] = gr.Number(
             d["num_prompts"], label="Requests", precision=0, min_width=90
         )
-        if "max_concurrency" in fields:
-            parts["max_concurrency"] = gr.Number(
-                d["max_concurrency"],
-                label="Max concurrency (0 = no limit)",
-                precision=0,
-                min_width=90,
-            )
+        _number(parts, d, fields, "max_concurrency", "Max concurrency (0 = no limit)", 0)
         parts["seed"] = gr.Number(d["seed"], label="Seed", precision=0, min_width=90)
     with gr.Row():
         parts["arrival"] = gr.Radio(list(ARRIVALS), value=d["arrival"], label="Arrivals")
@@ -51,35 +45,29 @@ def workload_form(defaults: Mapping[str, Any], fields: Sequence[str]) -> dict[st
         parts["request_rate"] = gr.Number(
             d.get("request_rate", 8.0), label="Rate (req/s)", min_width=90
         )
-        if "burstiness" in fields:
-            parts["burstiness"] = gr.Number(
-                d["burstiness"],
-                label="Burstiness (gamma shape; 1 = Poisson, < 1 burstier)",
-                min_width=90,
-            )
+        _number(
+            parts, d, fields, "burstiness", "Burstiness (gamma shape; 1 = Poisson, < 1 burstier)"
+        )
     _length_fields("input", d, parts)
     _length_fields("output", d, parts)
     row_fields = ("prefix_len", "temperature", "top_p", "top_k", "ignore_eos")
     if any(f in fields for f in row_fields):
         with gr.Row():
-            if "prefix_len" in fields:
-                parts["prefix_len"] = gr.Number(
-                    d["prefix_len"],
-                    label="Shared system-prompt prefix (tokens)",
-                    precision=0,
-                    min_width=90,
-                )
-            if "temperature" in fields:
-                parts["temperature"] = gr.Number(
-                    d["temperature"], label="Temperature", min_width=90
-                )
-            if "top_p" in fields:
-                parts["top_p"] = gr.Number(d["top_p"], label="Top-p", min_width=70)
-            if "top_k" in fields:
-                parts["top_k"] = gr.Number(d["top_k"], label="Top-k (-1 = off)", precision=0,
-                                           min_width=70)  # fmt: skip
+            _number(parts, d, fields, "prefix_len", "Shared system-prompt prefix (tokens)", 0)
+            _number(parts, d, fields, "temperature", "Temperature")
+            _number(parts, d, fields, "top_p", "Top-p", width=70)
+            _number(parts, d, fields, "top_k", "Top-k (-1 = off)", 0, width=70)
             if "ignore_eos" in fields:
                 parts["ignore_eos"] = gr.Checkbox(
                     d["ignore_eos"], label="Ignore EOS (exact lengths)"
                 )
     return {name: parts[name] for name in fields}
+
+
+def _number(
+    parts: dict[str, Any], d: Mapping[str, Any], fields: Sequence[str], name: str, label: str,
+    precision: int | None = None, width: int = 90,
+) -> None:  # fmt: skip
+    """A gr.Number for `name` when the form has that field."""
+    if name in fields:
+        parts[name] = gr.Number(d[name], label=label, precision=precision, min_width=width)
