@@ -11,6 +11,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Batching = Literal["continuous", "static"]
 KVLayout = Literal["paged", "contiguous"]
 AttentionBackend = Literal["auto", "triton", "torch"]
+SpeculativeMethod = Literal["off", "ngram"]
 
 # On CPU the KV cache is sized from a byte budget: 1 GiB holds ~45k tokens of SmolLM2-135M in
 # bfloat16 (30 layers x 3 KV heads x 64 dims x 2 (K,V) x 2 bytes = 23 KiB per token).
@@ -43,6 +44,12 @@ class EngineConfig:
     batching: Batching = "continuous"
     enable_chunked_prefill: bool = True
 
+    # --- speculative decoding (engine/spec_decode.py) ---
+    speculative_method: SpeculativeMethod = "off"  # "ngram": prompt-lookup drafts
+    num_speculative_tokens: int = 4  # draft tokens proposed per request and step
+    prompt_lookup_max: int = 4  # longest suffix looked up (tokens)
+    prompt_lookup_min: int = 2  # shortest suffix looked up (tokens)
+
     # --- execution ---
     attention_backend: AttentionBackend = "auto"
     enforce_eager: bool = False  # True turns CUDA graphs off
@@ -58,6 +65,15 @@ class EngineConfig:
         _check_choice("batching", self.batching, ("continuous", "static"))
         _check_choice("kv_layout", self.kv_layout, ("paged", "contiguous"))
         _check_choice("attention_backend", self.attention_backend, ("auto", "triton", "torch"))
+        _check_choice("speculative_method", self.speculative_method, ("off", "ngram"))
+        _check_positive("num_speculative_tokens", self.num_speculative_tokens)
+        _check_positive("prompt_lookup_max", self.prompt_lookup_max)
+        _check_positive("prompt_lookup_min", self.prompt_lookup_min)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min: must be <= prompt_lookup_max ({self.prompt_lookup_min} > "
+                f"{self.prompt_lookup_max})"
+            )
         if self.enable_prefix_caching and self.kv_layout != "paged":
             raise ValueError("enable_prefix_caching: needs kv_layout='paged'")
         if not isinstance(self.model, str) or not self.model.strip():

@@ -24,6 +24,7 @@ from engine.request import (
     new_request_id,
 )
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import propose_ngram
 from engine.stats import EngineStats, FinishedRequest, RequestProgress
 
 try:
@@ -87,6 +88,8 @@ class LLMEngine:
         self.metrics_registry = EngineMetricsRegistry(model_name=self.model_name)
         self._requests: dict[str, Request] = {}
         self._num_steps = 0
+        self.num_draft_tokens_total = 0  # speculative tokens proposed and verified
+        self.num_accepted_tokens_total = 0  # of those, accepted
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.source.arch.eos_token_ids)
@@ -195,37 +198,95 @@ class LLMEngine:
     # --- one step ---
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        if self.config.speculative_method == "ngram":
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         # The step's shape, taken before update() advances num_computed_tokens.
         num_new = [s.num_new_tokens for s in sched.scheduled]
         context = [s.request.num_computed_tokens + s.num_new_tokens for s in sched.scheduled]
-        num_logits = sum(s.samples for s in sched.scheduled)
+        num_logits = sum(s.samples + s.num_draft_tokens for s in sched.scheduled)
         cost = step_cost(self.shape, num_new, context, num_logits)
+        drafts = {s.request.request_id: s.num_draft_tokens for s in sched.scheduled}
+        num_decode_reqs = sum(s.num_new_tokens == 1 or s.num_draft_tokens > 0
+                              for s in sched.scheduled)  # fmt: skip
         sampled = self.runner.execute(sched)
         self.runner.synchronize()
         now = time.perf_counter()
         touched = self.scheduler.update(sched, sampled, now)
         outputs = [self._output_for(request) for request in touched]
-        self._record_step(sched, cost, start, time.perf_counter())
+        # Drafts verified this step, and how many were accepted (tokens appended minus one).
+        num_drafts = sum(drafts.values())
+        num_accepted = sum(
+            max(0, len(tokens) - 1) for rid, tokens in sampled.items() if drafts.get(rid)
+        )
+        self._record_step(
+            sched, cost, start, time.perf_counter(), num_decode_reqs, num_drafts, num_accepted
+        )
         return outputs
 
+    def _propose_drafts(self) -> None:
+        """N-gram drafts for every running request that is decoding (spec_decode.py), capped
+        so that even if all are accepted the request stays within max_tokens and
+        max_model_len."""
+        config = self.config
+        for request in self.scheduler.running:
+            if request.num_computed_tokens + 1 != request.num_tokens:
+                continue  # still prefilling
+            room = min(
+                config.num_speculative_tokens,
+                request.params.max_tokens - request.num_output_tokens - 1,
+                request.max_total_tokens - request.num_tokens - 1,
+            )
+            request.draft_token_ids = propose_ngram(
+                request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+
     def _output_for(self, request: Request) -> RequestOutput:
-        new_token_ids = request.output_token_ids[-1:]
         if self.tokenizer is not None:
-            new_text = detokenize_new(self.tokenizer, request, final=request.finished)
-            params = request.params
-            cut = find_stop(request.output_text, params.stop, len(new_text)) if new_text else None
-            if cut is not None:
-                request.output_text = request.output_text[:cut]
-                if request.finished:  # the same token also hit a length limit: stop wins
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            self._detokenize(request)
+        num_new = request.num_new_output_tokens  # 1, or more after verified drafts
+        new_token_ids = request.output_token_ids[len(request.output_token_ids) - num_new :]
         if request.finished:
             return self._finalize(request, new_token_ids)
         return self._delta(request, new_token_ids)
+
+    def _detokenize(self, request: Request) -> None:
+        """Extend the request's text with this step's tokens; end it at a stop string.
+
+        Several tokens (verified drafts) are taken one at a time when stop strings are set,
+        so that the request ends at the token that completed the stop string and the tokens
+        after it are dropped, exactly as one-token decoding would have ended it."""
+        num_new = request.num_new_output_tokens
+        if num_new <= 1 or not request.params.stop:
+            self._extend_text(request, final=request.finished)
+            return
+        tokens = request.output_token_ids[-num_new:]
+        del request.output_token_ids[-num_new:]
+        for i, token in enumerate(tokens):
+            request.output_token_ids.append(token)
+            if self._extend_text(request, final=request.finished and i == num_new - 1):
+                dropped = num_new - 1 - i
+                if dropped:
+                    del request.metrics.token_times[-dropped:]
+                    request.num_new_output_tokens -= dropped
+                    request.metrics.num_output_tokens -= dropped
+                return
+
+    def _extend_text(self, request: Request, final: bool) -> bool:
+        """Detokenize up to the last output token; True when a stop string ended the request."""
+        new_text = detokenize_new(self.tokenizer, request, final=final)
+        params = request.params
+        cut = find_stop(request.output_text, params.stop, len(new_text)) if new_text else None
+        if cut is None:
+            return False
+        request.output_text = request.output_text[:cut]
+        if request.finished:  # the same token also hit a length limit: stop wins
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _delta(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         # While streaming, hold back text that could be the start of a stop string.
@@ -257,9 +318,9 @@ class LLMEngine:
         return self._delta(request, new_token_ids)
 
     def _record_step(
-        self, sched: SchedulerOutput, cost: StepCost, start: float, end: float
-    ) -> None:
-        num_decode_reqs = sum(item.num_new_tokens == 1 for item in sched.scheduled)
+        self, sched: SchedulerOutput, cost: StepCost, start: float, end: float,
+        num_decode_reqs: int, num_drafts: int, num_accepted: int,
+    ) -> None:  # fmt: skip
         bm = self.block_manager
         stats = StepStats(
             step_index=self._num_steps,
@@ -282,7 +343,13 @@ class LLMEngine:
             num_blocks_cached=bm.num_cached_blocks if bm.enable_prefix_caching else 0,
             num_prefix_query_tokens=sched.num_prefix_query_tokens,
             num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
+            num_draft_tokens=num_drafts,
+            num_accepted_tokens=num_accepted,
         )
+        if num_drafts:
+            self.num_draft_tokens_total += num_drafts
+            self.num_accepted_tokens_total += num_accepted
+            self.metrics_registry.observe_spec_decode(num_drafts, num_accepted)
         if sched.num_prefix_query_tokens:
             self.scheduler.num_prefix_query_tokens_total += sched.num_prefix_query_tokens
             self.scheduler.num_prefix_hit_tokens_total += sched.num_prefix_hit_tokens
@@ -308,6 +375,8 @@ class LLMEngine:
             num_prefix_hit_tokens_total=self.scheduler.num_prefix_hit_tokens_total,
             num_cached_kv_blocks=self.block_manager.num_cached_blocks,
             num_prefix_evictions_total=self.block_manager.num_evictions_total,
+            num_draft_tokens_total=self.num_draft_tokens_total,
+            num_accepted_tokens_total=self.num_accepted_tokens_total,
             num_steps_total=self._num_steps,
             steps=self.step_history.snapshot(),
             finished=self.finished_history.snapshot(),

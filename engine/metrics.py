@@ -219,6 +219,8 @@ class StepStats:
     num_blocks_cached: int = 0  # free blocks that still hold a reusable prefix-cache hash
     num_prefix_query_tokens: int = 0  # prompt tokens of requests admitted this step
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed)
+    num_draft_tokens: int = 0  # speculative tokens verified this step (in num_decode_tokens)
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def num_tokens(self) -> int:

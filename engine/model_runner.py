@@ -25,6 +25,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import Request, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode import verify
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +172,9 @@ class ModelRunner:
             self.release("profile")
 
     # --- per step ---
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns the sampled token of every request that reached its end."""
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Run one step; returns the new tokens of every request that reached its end: one,
+        or with speculative drafts the accepted ones plus one (engine/spec_decode.py)."""
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
         if self.backend == "torch":  # by context length, for split_by_length's groups
             decodes.sort(key=lambda s: s.request.num_computed_tokens)
@@ -186,6 +188,7 @@ class ModelRunner:
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
             input_ids.extend(token_slice(s.request, start, end))
+            input_ids.extend(s.request.draft_token_ids[: s.num_draft_tokens])
             positions.extend(range(start, end))
             table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -204,24 +207,41 @@ class ModelRunner:
                     self.kv_caches,
                     meta,
                 )
-            # Only the last token of each request that reached its end is turned into logits.
-            rows, samplers = [], []
+            # Only the last token of each request that reached its end is turned into logits,
+            # plus, for a request verifying drafts, the rows of its drafts.
+            rows, samplers, verifiers = [], [], []
             offset = 0
             for s in ordered:
                 offset += s.num_new_tokens
-                if s.samples:
+                if s.num_draft_tokens:
+                    verifiers.append((s, len(rows)))
+                    rows.extend(range(offset - s.num_draft_tokens - 1, offset))
+                elif s.samples:
+                    samplers.append((s.request, len(rows)))
                     rows.append(offset - 1)
-                    samplers.append(s.request)
-            if not samplers:
+            if not rows:
                 return {}
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
-            tokens = sample(
-                logits,
-                [r.params for r in samplers],
-                [self._generator(r) for r in samplers],
-                [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in samplers],
-            )
-        return {r.request_id: t for r, t in zip(samplers, tokens, strict=True)}
+            new_tokens: dict[str, list[int]] = {}
+            if samplers:
+                requests = [r for r, _ in samplers]
+                tokens = sample(
+                    logits[torch.tensor([row for _, row in samplers], device=dev)],
+                    [r.params for r in requests],
+                    [self._generator(r) for r in requests],
+                    [r.all_token_ids if r.params.repetition_penalty != 1.0 else ()
+                     for r in requests],
+                )  # fmt: skip
+                new_tokens = {r.request_id: [t] for r, t in zip(requests, tokens, strict=True)}
+            for s, first in verifiers:
+                r = s.request
+                drafts = r.draft_token_ids[: s.num_draft_tokens]
+                history = r.all_token_ids if r.params.repetition_penalty != 1.0 else ()
+                new_tokens[r.request_id] = verify(
+                    logits[first : first + len(drafts) + 1], drafts, r.params,
+                    self._generator(r), history,
+                )  # fmt: skip
+        return new_tokens
 
     def _build_metadata(
         self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest], slot_mapping

@@ -34,7 +34,13 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a new token is sampled."""
         req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+        return req.num_computed_tokens + self.num_new_tokens >= req.num_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative tokens scheduled past the known ones (verified by this step)."""
+        req = self.request
+        return max(0, req.num_computed_tokens + self.num_new_tokens - req.num_tokens)
 
 
 @dataclass
@@ -42,7 +48,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)  # preempted during this step
     num_prefill_tokens: int = 0  # tokens of requests with more than one new token
-    num_decode_tokens: int = 0  # tokens of requests with exactly one new token
+    num_decode_tokens: int = 0  # tokens of requests in decode (speculative tokens included)
     # Prefix cache, for requests admitted this step: tokens looked up, tokens found cached.
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
@@ -120,6 +126,9 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            if num_new == 1 and request.draft_token_ids:  # decode: verify the drafts too
+                request.draft_token_ids = request.draft_token_ids[: budget - 1]
+                num_new += len(request.draft_token_ids)
             target = request.num_computed_tokens + num_new
             if not self._reserve(request, target, out):
                 break  # the request preempted itself; nothing after it can run either
@@ -206,6 +215,7 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.metrics.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -217,18 +227,19 @@ class Scheduler:
         out.scheduled.append(
             ScheduledRequest(request, num_new, self.block_manager.block_table(request.request_id))
         )
-        if num_new == 1:
-            out.num_decode_tokens += 1
+        if request.num_computed_tokens + 1 >= request.num_tokens:  # decode, drafts included
+            out.num_decode_tokens += num_new
         else:
             out.num_prefill_tokens += num_new
 
     # --- after the model ran ---
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, int], now: float | None = None
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float | None = None
     ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish requests at a token stop.
 
-        Returns the requests that got a new token or finished during this step.
+        `sampled` has one token per request that reached its end, or several when drafts were
+        verified (accepted drafts + one). Returns the requests that got tokens or finished.
         """
         now = time.perf_counter() if now is None else now
         touched: list[Request] = []
@@ -236,20 +247,35 @@ class Scheduler:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted later in the same step (its work is discarded)
-            request.num_computed_tokens += item.num_new_tokens
+            tokens = sampled.get(request.request_id, [])
+            # K/V stay valid up to the last accepted draft; rejected drafts' slots get
+            # overwritten later (no attention reads past num_computed_tokens).
+            num_rejected = item.num_draft_tokens - max(0, len(tokens) - 1)
+            request.num_computed_tokens += item.num_new_tokens - num_rejected
+            request.draft_token_ids = []
+            status = None
+            for token in tokens:
+                request.output_token_ids.append(token)
+                request.metrics.token_times.append(now)
+                status = self._token_stop(request, token)
+                if status is not None:
+                    break  # tokens after a stop are dropped
+            request.num_new_output_tokens = len(request.output_token_ids) - (
+                request.metrics.num_output_tokens
+            )
+            request.metrics.num_output_tokens = request.num_output_tokens
+            if tokens:  # a stop inside the accepted drafts leaves fewer tokens than computed
+                request.num_computed_tokens = min(
+                    request.num_computed_tokens, request.num_tokens - 1
+                )
             if self.block_manager.enable_prefix_caching:
                 self.block_manager.cache_full_blocks(
                     request.request_id, request.all_token_ids, request.num_computed_tokens
                 )
-            token = sampled.get(request.request_id)
-            if token is None:
+            if not tokens:
                 continue
-            request.output_token_ids.append(token)
-            request.metrics.num_output_tokens = request.num_output_tokens
-            request.metrics.token_times.append(now)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            status = self._token_stop(request, token)
             if status is not None:
                 self.finish(request, status)
             touched.append(request)

@@ -44,6 +44,9 @@ class EngineStats:
     num_prefix_hit_tokens_total: int = 0
     num_cached_kv_blocks: int = 0
     num_prefix_evictions_total: int = 0
+    # Speculative decoding (zero when off): draft tokens verified, and accepted.
+    num_draft_tokens_total: int = 0
+    num_accepted_tokens_total: int = 0
     steps: list[StepStats] = field(default_factory=list)  # most recent last
     finished: list[FinishedRequest] = field(default_factory=list)  # most recent last
 
@@ -56,6 +59,12 @@ class EngineStats:
         """Fraction of looked-up prompt tokens found in the prefix cache (0 when none)."""
         queries = self.num_prefix_query_tokens_total
         return self.num_prefix_hit_tokens_total / queries if queries else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Fraction of verified draft tokens that were accepted (0 when none)."""
+        drafts = self.num_draft_tokens_total
+        return self.num_accepted_tokens_total / drafts if drafts else 0.0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -28,7 +28,7 @@ def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, **kw) -> 
 
 def run_step(sched: Scheduler, token: int = 7):
     out = sched.schedule()
-    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: [token] for s in out.scheduled if s.samples}
     sched.update(out, sampled)
     return out
 
