@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="share the KV blocks of prompt prefixes seen before (a chat's earlier turns)",
     )
     p.add_argument(
+        "--speculative-method",
+        choices=("off", "ngram"),
+        default="off",
+        help="ngram: prompt-lookup drafts verified k at a time (greedy output unchanged)",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
+            speculative_method=args.speculative_method,
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
         service = EngineService(config)

@@ -22,6 +22,8 @@ class EngineInfo:
     batching: str  # "continuous" | "static"
     kv_layout: str  # "paged" | "contiguous"
     enable_prefix_caching: bool
+    speculative_method: str  # "off" | "ngram"
+    num_speculative_tokens: int
     max_num_seqs: int
     max_num_batched_tokens: int
 
@@ -41,6 +43,8 @@ def engine_info(service: Any) -> EngineInfo:
         batching=config.batching,
         kv_layout=config.kv_layout,
         enable_prefix_caching=config.enable_prefix_caching,
+        speculative_method=config.speculative_method,
+        num_speculative_tokens=config.num_speculative_tokens,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
@@ -52,7 +56,13 @@ def describe(info: EngineInfo) -> str:
         f"**{info.model_name}** on {info.device} ({info.dtype}) · KV pool "
         f"{info.num_kv_blocks} blocks x {info.block_size} tokens ({info.kv_layout}, prefix "
         f"caching {'on' if info.enable_prefix_caching else 'off'}) · "
-        f"{info.batching} batching, max_num_seqs {info.max_num_seqs}, "
+        f"{info.batching} batching, {_speculative(info)}max_num_seqs {info.max_num_seqs}, "
         f"max_num_batched_tokens {info.max_num_batched_tokens}, max_model_len "
         f"{info.max_model_len}"
     )
+
+
+def _speculative(info: EngineInfo) -> str:
+    if info.speculative_method == "off":
+        return ""
+    return f"speculative {info.speculative_method} ({info.num_speculative_tokens} drafts), "

@@ -25,6 +25,7 @@ SIDE_FIELDS = (
     "batching",
     "kv_layout",
     "enable_prefix_caching",
+    "speculative_method",
     "block_size",
     "max_num_seqs",
     "max_num_batched_tokens",
@@ -34,6 +35,7 @@ DEFAULT_SIDE: dict[str, Any] = {
     "batching": "continuous",
     "kv_layout": "paged",
     "enable_prefix_caching": False,
+    "speculative_method": "off",
     "block_size": 16,
     "max_num_seqs": 8,
     "max_num_batched_tokens": 256,
@@ -46,6 +48,10 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "prefix caching off vs on (shared prompt prefix)": (
         {"enable_prefix_caching": False},
         {"enable_prefix_caching": True},
+    ),
+    "speculative decoding off vs n-gram": (
+        {"speculative_method": "off", "max_num_seqs": 2},
+        {"speculative_method": "ngram", "max_num_seqs": 2},
     ),
     "token budget 32 vs 256 (chunked prefill)": (
         {"max_num_batched_tokens": 32},
@@ -117,6 +123,7 @@ def side_config(
         batching=side["batching"],
         kv_layout=side["kv_layout"],
         enable_prefix_caching=prefix_caching,
+        speculative_method=side.get("speculative_method", "off"),
         num_kv_blocks=num_blocks,
         max_model_len=int(max_model_len),
         **values,
@@ -280,6 +287,8 @@ COMPARE_ROWS = (
     ("Preemptions", "preemptions", "lower"),
     ("Prompt tokens computed (prefill)", "prefill_tokens", "lower"),
     ("Prompt tokens from the prefix cache", "prefix_hit_tokens", "higher"),
+    ("Draft tokens verified (speculative)", "draft_tokens", None),
+    ("Draft tokens accepted", "accepted_tokens", "higher"),
     ("Engine start-up (s, not in the run)", "load_s", None),
 )
 COMPARE_HEADERS = ["metric", "A", "B", "B / A", "better"]
@@ -295,6 +304,8 @@ def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
     m["preemptions"] = sum(s.num_preemptions for s in steps)
     m["prefill_tokens"] = sum(s.num_prefill_tokens for s in steps)
     m["prefix_hit_tokens"] = sum(s.num_prefix_hit_tokens for s in steps)
+    m["draft_tokens"] = sum(s.num_draft_tokens for s in steps)
+    m["accepted_tokens"] = sum(s.num_accepted_tokens for s in steps)
     m["load_s"] = outcome.load_s
     return m
 

@@ -52,7 +52,18 @@ def summary_markdown(stats: EngineStats, num_used_blocks: int) -> str:
         f"{stats.block_size} tokens per block, pool {fmt_bytes(stats.kv_cache_bytes)}) · "
         f"running **{stats.num_running}** · waiting **{stats.num_waiting}** · "
         f"steps {stats.num_steps_total} · preemptions {stats.num_preemptions_total} · "
-        f"{prefix_cache_text(stats)}{step}"
+        f"{prefix_cache_text(stats)}{spec_decode_text(stats)}{step}"
+    )
+
+
+def spec_decode_text(stats: EngineStats) -> str:
+    """Draft tokens accepted so far ("" until a draft was verified, i.e. when it is off)."""
+    if not stats.num_draft_tokens_total:
+        return ""
+    return (
+        f"speculative: {stats.num_accepted_tokens_total:,} of "
+        f"{stats.num_draft_tokens_total:,} draft tokens accepted "
+        f"({100 * stats.draft_acceptance_rate:.0f} %) · "
     )
 
 

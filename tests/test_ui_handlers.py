@@ -269,6 +269,9 @@ def test_compare_side_configs_hold_the_kv_budget_in_tokens():
     assert not side_config(base, off, 4096, 512).enable_prefix_caching
     with pytest.raises(ValueError, match="paged KV layout"):
         side_config(base, {**on, "kv_layout": "contiguous"}, 4096, 512)
+    plain, ngram = preset_sides("speculative decoding off vs n-gram")
+    assert side_config(base, ngram, 4096, 512).speculative_method == "ngram"
+    assert side_config(base, plain, 4096, 512).speculative_method == "off"
 
 
 # --- handlers with a real engine ------------------------------------------------------------
@@ -528,3 +531,6 @@ def test_live_summary_reports_prefix_cache_hits_once_used():
     assert "prefix cache: 300 of 400 prompt tokens hit (75 %), 12 blocks cached, 2 evicted" in (
         summary_markdown(stats, 4)
     )
+    assert "speculative" not in summary_markdown(stats, 4)
+    stats = EngineStats(**base, num_draft_tokens_total=80, num_accepted_tokens_total=20)
+    assert "speculative: 20 of 80 draft tokens accepted (25 %)" in summary_markdown(stats, 4)

@@ -63,6 +63,9 @@ def _side_form(name: str, values: dict) -> dict:
     parts["enable_prefix_caching"] = gr.Checkbox(
         value=values["enable_prefix_caching"], label="Prefix caching (paged layout only)"
     )
+    parts["speculative_method"] = gr.Radio(
+        ["off", "ngram"], value=values["speculative_method"], label="Speculative decoding"
+    )
     parts["block_size"] = gr.Dropdown(
         list(BLOCK_SIZES), value=values["block_size"], label="Block size (tokens)"
     )
