@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test setup setup-dev browser lint format bench bench-prefix gpu-check clean
+.PHONY: run test setup setup-dev browser lint format bench bench-prefix bench-spec gpu-check clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -60,6 +60,9 @@ bench: setup
 
 bench-prefix: setup
 	$(BIN)/python -m engine.bench_prefix $(ARGS)
+
+bench-spec: setup
+	$(BIN)/python -m engine.bench_spec $(ARGS)
 
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py $(ARGS)

@@ -1,0 +1,117 @@
+"""Speculative-decoding benchmark: copy-heavy prompts, one at a time, n-gram drafts off then on.
+
+    python -m engine.bench_spec                      # the embedded model, bfloat16, 64 tokens each
+    python -m engine.bench_spec --num-speculative-tokens 6 --json results/bench_spec.json
+
+N-gram drafts help when the output repeats its context: copying, lists, code edits,
+structured output. The prompts below ask for exactly that. Requests run one at a time (batch 1:
+decode is latency-bound, the case drafts are for), greedy. Prints JSON: output tokens/s, TPOT
+p50, draft tokens verified and accepted, tokens per decode step, and how many requests gave
+the same tokens both ways (in bfloat16 a step computing k + 1 positions rounds differently
+from one computing 1, so a near-tie can flip; in float32 they are identical, as tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+from engine.llm import LLM
+from engine.metrics import latency_summary
+from engine.request import SamplingParams
+
+PROMPTS = [
+    "Copy this text exactly.\nText: The mitochondria is the powerhouse of the cell. It produces "
+    "energy through respiration.\nCopy: The mitochondria",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Repeat the list exactly: apple, banana, cherry, date, elderberry, fig, grape. Again: apple,",
+    '<ul>\n  <li>Home</li>\n  <li>About</li>\n  <li>Contact</li>\n</ul>\nThe same list as JSON: ["Home",',
+    "Rewrite with 'cat' replaced by 'dog': The cat sat on the mat. The cat was happy. The cat "
+    "slept.\nRewritten: The dog sat",
+    "Count from one to twenty in words: one, two, three, four, five,",
+    "SELECT name, age FROM users WHERE age > 30;\nSELECT name, age FROM users WHERE age > 40;\n"
+    "SELECT name,",
+    "Q: What is the capital of France?\nA: The capital of France is Paris.\nQ: What is the capital "
+    "of Italy?\nA:",
+]
+
+
+def run(args: argparse.Namespace, method: str) -> dict:
+    config = dict(
+        model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=1,
+        speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
+    )  # fmt: skip
+    llm = LLM(**config)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=2))  # warm-up
+    before = llm.stats()
+    outputs = []
+    start = time.perf_counter()
+    for prompt in PROMPTS:
+        outputs += llm.generate([prompt], params)
+    duration_s = time.perf_counter() - start
+    stats = llm.stats()
+    steps = stats.steps[len(before.steps) :]
+    decode_steps = [s for s in steps if s.kind == "decode"]
+    num_tokens = sum(len(o.token_ids) for o in outputs)
+    tpot = latency_summary([t for o in outputs if (t := o.metrics.tpot_s)])
+    drafts = stats.num_draft_tokens_total - before.num_draft_tokens_total
+    accepted = stats.num_accepted_tokens_total - before.num_accepted_tokens_total
+    result = {
+        "speculative_method": method,
+        "config": {k: v for k, v in config.items() if k != "model"},
+        "duration_s": round(duration_s, 3),
+        "output_tokens": num_tokens,
+        "output_tokens_per_s": round(num_tokens / duration_s, 2),
+        "tpot_p50_s": round(tpot["median"], 4),
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafts, 3) if drafts else None,
+        # Tokens produced per decode step: 1 without drafts.
+        "tokens_per_decode_step": round((num_tokens - len(outputs)) / max(1, len(decode_steps)), 2),
+        "token_ids": [o.token_ids for o in outputs],
+    }
+    del llm
+    gc.collect()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--json", type=Path, help="also write the JSON here")
+    args = p.parse_args(argv)
+
+    off, on = run(args, "off"), run(args, "ngram")
+    a, b = off.pop("token_ids"), on.pop("token_ids")
+    report = {
+        "workload": {
+            "num_requests": len(PROMPTS),
+            "output_len": args.output_len,
+            "arrivals": "one at a time",
+            "greedy": True,
+        },
+        "runs": [off, on],
+        "requests_with_same_tokens": sum(x == y for x, y in zip(a, b, strict=True)),
+        "output_tokens_per_s_speedup": round(
+            on["output_tokens_per_s"] / off["output_tokens_per_s"], 2
+        ),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
