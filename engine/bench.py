@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from engine.bench_common import bench_parser, emit
 from engine.llm import LLM
 from engine.metrics import latency_summary
 from engine.request import SamplingParams
@@ -141,10 +141,7 @@ def run_hf(args: argparse.Namespace, workload: Workload, weights_dir: Path) -> d
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p = bench_parser(__doc__)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
@@ -154,7 +151,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch", type=int, default=8, help="HF generate's batch size")
     p.add_argument("--skip", nargs="*", default=[], choices=["static", "hf"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="also write the JSON here")
     return p.parse_args(argv)
 
 
@@ -189,11 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
             if k != "continuous"
         },
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(report, args.json)
     return report
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import time
-from pathlib import Path
 
+from engine.bench_common import bench_parser, emit
 from engine.llm import LLM
 from engine.metrics import latency_summary
 from engine.request import SamplingParams
@@ -69,10 +68,7 @@ def run(args: argparse.Namespace, prompts: list[list[int]], caching: bool) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p = bench_parser(__doc__)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=512, help="tokens shared by every prompt")
     p.add_argument("--suffix-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
@@ -80,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="also write the JSON here")
     args = p.parse_args(argv)
 
     probe = LLM(model=args.model, dtype=args.dtype, device=args.device, num_kv_blocks=4)
@@ -106,11 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_speedup": round(off["ttft_p50_s"] / on["ttft_p50_s"], 2),
         "duration_speedup": round(off["duration_s"] / on["duration_s"], 2),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(report, args.json)
     return 0
 
 

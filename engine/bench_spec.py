@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
-from pathlib import Path
 
+from engine.bench_common import bench_parser, emit
 from engine.llm import LLM
 from engine.metrics import latency_summary
 from engine.request import SamplingParams
@@ -81,13 +80,9 @@ def run(args: argparse.Namespace, method: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p = bench_parser(__doc__)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--json", type=Path, help="also write the JSON here")
     args = p.parse_args(argv)
 
     off, on = run(args, "off"), run(args, "ngram")
@@ -105,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             on["output_tokens_per_s"] / off["output_tokens_per_s"], 2
         ),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit(report, args.json)
     return 0
 
 
