@@ -209,8 +209,7 @@ class LLMEngine:
         num_logits = sum(s.samples + s.num_draft_tokens for s in sched.scheduled)
         cost = step_cost(self.shape, num_new, context, num_logits)
         drafts = {s.request.request_id: s.num_draft_tokens for s in sched.scheduled}
-        num_decode_reqs = sum(s.num_new_tokens == 1 or s.num_draft_tokens > 0
-                              for s in sched.scheduled)  # fmt: skip
+        num_decode_reqs = sum(s.is_decode for s in sched.scheduled)
         sampled = self.runner.execute(sched)
         self.runner.synchronize()
         now = time.perf_counter()

@@ -37,6 +37,13 @@ class ScheduledRequest:
         return req.num_computed_tokens + self.num_new_tokens >= req.num_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """Generating (drafts included), as opposed to computing the prompt: a prompt's last
+        1-token chunk is still prefill. (Read before update() advances the request.)"""
+        req = self.request
+        return req.num_output_tokens > 0 and req.num_computed_tokens + 1 >= req.num_tokens
+
+    @property
     def num_draft_tokens(self) -> int:
         """Speculative tokens scheduled past the known ones (verified by this step)."""
         req = self.request
@@ -224,10 +231,11 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.perf_counter()
-        out.scheduled.append(
-            ScheduledRequest(request, num_new, self.block_manager.block_table(request.request_id))
+        item = ScheduledRequest(
+            request, num_new, self.block_manager.block_table(request.request_id)
         )
-        if request.num_computed_tokens + 1 >= request.num_tokens:  # decode, drafts included
+        out.scheduled.append(item)
+        if item.is_decode:
             out.num_decode_tokens += num_new
         else:
             out.num_prefill_tokens += num_new

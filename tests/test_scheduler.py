@@ -43,6 +43,17 @@ def test_prefill_then_decode():
     assert [s.num_new_tokens for s in out.scheduled] == [1] and out.num_decode_tokens == 1
 
 
+def test_a_one_token_last_chunk_is_still_prefill():
+    sched = make_scheduler(budget=8)
+    sched.add_request(make_request("a", 9))
+    run_step(sched)  # 8 prompt tokens
+    out = run_step(sched)  # the 9th: one new token, but the prompt's, not a generated one
+    assert out.scheduled[0].num_new_tokens == 1
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (1, 0)
+    out = run_step(sched)
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (0, 1)
+
+
 def test_chunked_prefill_respects_budget():
     sched = make_scheduler(budget=4)
     sched.add_request(make_request("a", 10))
