@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import typing
 import uuid
 from collections.abc import AsyncIterator
@@ -315,8 +316,9 @@ def _engine_config_args(parser: argparse.ArgumentParser) -> None:
     for f in EngineConfig.__dataclass_fields__.values():
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-        kind = args[0]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None -> X
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        kind = hint
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"(default {f.default})"}
         if typing.get_origin(kind) is typing.Literal:
             kwargs["choices"] = typing.get_args(kind)

@@ -377,3 +377,23 @@ def test_server_cli_starts_serves_and_stops(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+
+
+def test_every_engine_config_field_is_a_server_flag():
+    from engine.config import EngineConfig
+    from engine.server import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["--speculative-method", "ngram", "--batching", "static", "--num-kv-blocks", "64",
+         "--enable-prefix-caching", "--gpu-memory-utilization", "0.5"]
+    )  # fmt: skip
+    fields = {k: v for k, v in vars(args).items() if k in EngineConfig.field_names()}
+    assert fields == {"speculative_method": "ngram", "batching": "static", "num_kv_blocks": 64,
+                      "enable_prefix_caching": True, "gpu_memory_utilization": 0.5}  # fmt: skip
+    assert EngineConfig(**fields).speculative_method == "ngram"
+    help_text = parser.format_help()
+    for name in EngineConfig.field_names():
+        assert f"--{name.replace('_', '-')}" in help_text
+    with pytest.raises(SystemExit):  # a Literal field's choices are checked by argparse
+        parser.parse_args(["--speculative-method", "medusa"])
