@@ -257,7 +257,8 @@ class Scheduler:
                 continue  # preempted later in the same step (its work is discarded)
             tokens = sampled.get(request.request_id, [])
             # K/V stay valid up to the last accepted draft; rejected drafts' slots get
-            # overwritten later (no attention reads past num_computed_tokens).
+            # overwritten later (no attention reads past num_computed_tokens). num_draft_tokens
+            # reads the request, so it is taken before the request advances below.
             num_rejected = item.num_draft_tokens - max(0, len(tokens) - 1)
             request.num_computed_tokens += item.num_new_tokens - num_rejected
             request.draft_token_ids = []
