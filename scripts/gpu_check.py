@@ -6,8 +6,9 @@ For each kernel at realistic sizes (Llama-3-8B and SmolLM2-135M attention shapes
      bytes the kernel must read + write / the device copy bandwidth measured with a 1 GiB
      torch copy; and against the plain-torch reference path (and, for decode, a vectorized
      gather + SDPA baseline like the engine's torch backend).
-Then, when `engine` imports, end-to-end decode tokens/s with and without CUDA graphs
-(random:smollm2-135m, random:llama-3-8b; batch 1, 8, 64). One table is printed at the end.
+Then, when `engine` imports, the same greedy tokens with and without CUDA graphs (float32),
+and end-to-end decode tokens/s with and without CUDA graphs (random:smollm2-135m,
+random:llama-3-8b; batch 1, 8, 64). One table is printed at the end.
 
     python scripts/gpu_check.py                   # on a CUDA machine
     python scripts/gpu_check.py --json out.json   # also write the rows as JSON
@@ -351,7 +352,7 @@ def run_e2e(args: argparse.Namespace, rows: list[dict]) -> bool:
         return False
     import torch
 
-    failed = False
+    failed = graphs_parity(LLM, SamplingParams, rows)
     for model in ("random:smollm2-135m", "random:llama-3-8b"):
         tokens_per_s: dict[tuple[bool, int], float] = {}
         for eager in (True, False):
@@ -400,6 +401,33 @@ def run_e2e(args: argparse.Namespace, rows: list[dict]) -> bool:
             gc.collect()
             torch.cuda.empty_cache()
     return failed
+
+
+def graphs_parity(llm_cls, sampling_params_cls, rows: list[dict]) -> bool:
+    """Greedy tokens with and without CUDA graphs, float32 (bfloat16 could round differently
+    between a graph's padded batch and the real one); returns True when they differ."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (8 + 13 * i,), generator=gen).tolist() for i in range(6)]
+    params = sampling_params_cls(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    try:
+        for eager in (True, False):
+            llm = llm_cls(model="random:smollm2-135m", dtype="float32", enforce_eager=eager,
+                          max_num_seqs=8, max_model_len=512, attention_backend="triton")  # fmt: skip
+            tokens[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+            del llm
+            torch.cuda.empty_cache()
+    except Exception as exc:
+        note = f"{type(exc).__name__}: {exc}"[:120]
+        rows.append({"check": "e2e", "case": "graphs parity", "ok": False, "note": note})
+        return True
+    same = tokens[True] == tokens[False]
+    note = "identical greedy tokens, 6 requests x 24" if same else "tokens DIFFER"
+    rows.append({"check": "e2e", "case": "graphs parity smollm2 fp32", "ok": same, "note": note})
+    print(f"  e2e graphs parity: {note}", flush=True)
+    return not same
 
 
 def decode_tokens_per_s(llm, sampling_params_cls, batch: int, prompt_len: int = 128) -> float:

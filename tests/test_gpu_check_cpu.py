@@ -24,3 +24,27 @@ def test_gpu_check_cpu_mode_passes_and_prints_table():
         kernel_rows = [line for line in body if line.startswith(kernel)]
         assert kernel_rows and all(" ok " in line for line in kernel_rows), result.stdout
     assert any(line.startswith("e2e") and "skipped" in line for line in body)
+
+
+def test_graphs_parity_row_reports_a_difference():
+    """The GPU run's graphs-vs-eager token check, with a stand-in engine: a mismatch fails."""
+    import importlib.util
+
+    from engine import SamplingParams
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    class FakeLLM:
+        def __init__(self, enforce_eager: bool, **_):
+            self.shift = 0 if enforce_eager else self.graph_shift
+
+        def generate(self, prompts, params):
+            return [type("Out", (), {"token_ids": [len(p) + self.shift]}) for p in prompts]
+
+    for graph_shift, failed in ((0, False), (1, True)):
+        FakeLLM.graph_shift = graph_shift
+        rows = []
+        assert gpu_check.graphs_parity(FakeLLM, SamplingParams, rows) is failed
+        assert rows[0]["ok"] is not failed and rows[0]["case"].startswith("graphs parity")
