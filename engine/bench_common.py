@@ -1,11 +1,20 @@
 """What the benchmark scripts (bench.py, bench_prefix.py, bench_spec.py) share: the common
-flags and printing the JSON report (and writing it with --json)."""
+flags, running prompts one at a time, and printing the JSON report (writing it with --json)."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from engine.engine import Prompt
+from engine.llm import LLM
+from engine.metrics import StepStats
+from engine.request import RequestOutput, SamplingParams
 
 
 def bench_parser(doc: str) -> argparse.ArgumentParser:
@@ -26,3 +35,29 @@ def emit(report: dict, path: Path | None) -> None:
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
+
+
+@dataclass
+class SequentialRun:
+    outputs: list[RequestOutput]
+    duration_s: float  # wall time of all prompts, warm-up excluded
+    steps: list[StepStats]  # the engine steps of this run (warm-up excluded)
+
+
+def run_one_at_a_time(
+    config: dict, prompts: Sequence[Prompt], params: SamplingParams
+) -> SequentialRun:
+    """Build an engine from `config`, warm it up, then send each prompt when the previous one
+    has finished (a chat user, an agent loop); the engine is released after."""
+    llm = LLM(**config)
+    llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=2))  # warm-up
+    first_step = llm.engine.num_steps
+    outputs: list[RequestOutput] = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        outputs += llm.generate([prompt], params)
+    duration_s = time.perf_counter() - start
+    steps = [s for s in llm.stats().steps if s.step_index >= first_step]
+    del llm
+    gc.collect()
+    return SequentialRun(outputs, duration_s, steps)

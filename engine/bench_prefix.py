@@ -14,12 +14,10 @@ ratios, plus a check that both runs produced the same tokens.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import sys
-import time
 
-from engine.bench_common import bench_parser, emit
+from engine.bench_common import bench_parser, emit, run_one_at_a_time
 from engine.llm import LLM
 from engine.metrics import latency_summary
 from engine.request import SamplingParams
@@ -34,37 +32,25 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     ]
 
 
-def run(args: argparse.Namespace, prompts: list[list[int]], caching: bool) -> dict:
+def measure(args: argparse.Namespace, prompts: list[list[int]], caching: bool) -> dict:
     config = dict(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         enable_prefix_caching=caching, max_num_batched_tokens=args.max_num_batched_tokens,
     )  # fmt: skip
-    llm = LLM(**config)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=2))  # warm-up
-    before = llm.stats()
-    outputs = []
-    start = time.perf_counter()
-    for prompt in prompts:  # one at a time: each arrives when the previous one is done
-        outputs += llm.generate([prompt], params)
-    duration_s = time.perf_counter() - start
-    stats = llm.stats()
-    steps = stats.steps[len(before.steps) :]
-    ttft = latency_summary([o.metrics.ttft_s for o in outputs])
-    result = {
+    run = run_one_at_a_time(config, prompts, params)
+    ttft = latency_summary([o.metrics.ttft_s for o in run.outputs])
+    return {
         "prefix_caching": caching,
         "config": {k: v for k, v in config.items() if k != "model"},
-        "duration_s": round(duration_s, 3),
+        "duration_s": round(run.duration_s, 3),
         "prompt_tokens": sum(len(p) for p in prompts),
-        "prompt_tokens_computed": sum(s.num_prefill_tokens for s in steps),
-        "prompt_tokens_cached": stats.num_prefix_hit_tokens_total,
+        "prompt_tokens_computed": sum(s.num_prefill_tokens for s in run.steps),
+        "prompt_tokens_cached": sum(s.num_prefix_hit_tokens for s in run.steps),
         "ttft_p50_s": round(ttft["median"], 4),
         "ttft_p99_s": round(ttft["p99"], 4),
-        "token_ids": [o.token_ids for o in outputs],
+        "token_ids": [o.token_ids for o in run.outputs],
     }
-    del llm
-    gc.collect()
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = probe.engine.source.arch.vocab_size
     del probe
     prompts = make_prompts(args, vocab_size)
-    off, on = run(args, prompts, caching=False), run(args, prompts, caching=True)
+    off, on = measure(args, prompts, caching=False), measure(args, prompts, caching=True)
     same_tokens = off.pop("token_ids") == on.pop("token_ids")
     report = {
         "workload": {

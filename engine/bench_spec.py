@@ -14,12 +14,9 @@ from one computing 1, so a near-tie can flip; in float32 they are identical, as 
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
-import time
 
-from engine.bench_common import bench_parser, emit
-from engine.llm import LLM
+from engine.bench_common import bench_parser, emit, run_one_at_a_time
 from engine.metrics import latency_summary
 from engine.request import SamplingParams
 
@@ -39,33 +36,25 @@ PROMPTS = [
 ]
 
 
-def run(args: argparse.Namespace, method: str) -> dict:
+def measure(args: argparse.Namespace, method: str) -> dict:
     config = dict(
         model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=1,
         speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
     )  # fmt: skip
-    llm = LLM(**config)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=2))  # warm-up
-    before = llm.stats()
-    outputs = []
-    start = time.perf_counter()
-    for prompt in PROMPTS:
-        outputs += llm.generate([prompt], params)
-    duration_s = time.perf_counter() - start
-    stats = llm.stats()
-    steps = stats.steps[len(before.steps) :]
-    decode_steps = [s for s in steps if s.kind == "decode"]
+    run = run_one_at_a_time(config, PROMPTS, params)
+    outputs = run.outputs
+    decode_steps = [s for s in run.steps if s.kind == "decode"]
     num_tokens = sum(len(o.token_ids) for o in outputs)
     tpot = latency_summary([t for o in outputs if (t := o.metrics.tpot_s)])
-    drafts = stats.num_draft_tokens_total - before.num_draft_tokens_total
-    accepted = stats.num_accepted_tokens_total - before.num_accepted_tokens_total
-    result = {
+    drafts = sum(s.num_draft_tokens for s in run.steps)
+    accepted = sum(s.num_accepted_tokens for s in run.steps)
+    return {
         "speculative_method": method,
         "config": {k: v for k, v in config.items() if k != "model"},
-        "duration_s": round(duration_s, 3),
+        "duration_s": round(run.duration_s, 3),
         "output_tokens": num_tokens,
-        "output_tokens_per_s": round(num_tokens / duration_s, 2),
+        "output_tokens_per_s": round(num_tokens / run.duration_s, 2),
         "tpot_p50_s": round(tpot["median"], 4),
         "draft_tokens": drafts,
         "accepted_tokens": accepted,
@@ -74,9 +63,6 @@ def run(args: argparse.Namespace, method: str) -> dict:
         "tokens_per_decode_step": round((num_tokens - len(outputs)) / max(1, len(decode_steps)), 2),
         "token_ids": [o.token_ids for o in outputs],
     }
-    del llm
-    gc.collect()
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     args = p.parse_args(argv)
 
-    off, on = run(args, "off"), run(args, "ngram")
+    off, on = measure(args, "off"), measure(args, "ngram")
     a, b = off.pop("token_ids"), on.pop("token_ids")
     report = {
         "workload": {
