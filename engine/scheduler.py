@@ -150,7 +150,7 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 # Fresh (or preempted) requests start from their longest cached prefix.
-                prefix = bm.lookup_prefix(request.all_token_ids) if bm.enable_prefix_caching else []
+                prefix = self._cached_prefix(request)
                 cached_tokens = len(prefix) * bm.block_size
                 num_new = self._num_new_tokens(request, budget, skip=cached_tokens)
                 if num_new == 0:
@@ -174,7 +174,7 @@ class Scheduler:
         blocks_left = bm.num_free_blocks
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            prefix = bm.lookup_prefix(request.all_token_ids) if bm.enable_prefix_caching else []
+            prefix = self._cached_prefix(request)
             blocks = bm.blocks_needed(request.request_id, request.num_tokens, prefix)
             if blocks > blocks_left:
                 break
@@ -184,6 +184,11 @@ class Scheduler:
                 self._start_from_prefix(request, prefix, out)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The request's longest cached run of full blocks ([] when prefix caching is off)."""
+        bm = self.block_manager
+        return bm.lookup_prefix(request.all_token_ids) if bm.enable_prefix_caching else []
 
     def _start_from_prefix(self, request: Request, prefix: list[int], out: SchedulerOutput) -> None:
         """Count the lookup; share the cached prefix blocks, if any, and skip those tokens."""
