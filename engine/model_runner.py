@@ -229,17 +229,15 @@ class ModelRunner:
                     logits[torch.tensor([row for _, row in samplers], device=dev)],
                     [r.params for r in requests],
                     [self._generator(r) for r in requests],
-                    [r.all_token_ids if r.params.repetition_penalty != 1.0 else ()
-                     for r in requests],
+                    [_penalty_history(r) for r in requests],
                 )  # fmt: skip
                 new_tokens = {r.request_id: [t] for r, t in zip(requests, tokens, strict=True)}
             for s, first in verifiers:
                 r = s.request
                 drafts = r.draft_token_ids[: s.num_draft_tokens]
-                history = r.all_token_ids if r.params.repetition_penalty != 1.0 else ()
                 new_tokens[r.request_id] = verify(
                     logits[first : first + len(drafts) + 1], drafts, r.params,
-                    self._generator(r), history,
+                    self._generator(r), _penalty_history(r),
                 )  # fmt: skip
         return new_tokens
 
@@ -361,3 +359,8 @@ def _init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
                 for chunk in param.split(4096, dim=0):
                     noise = torch.randn(chunk.shape, generator=gen, device=device)
                     chunk.copy_(noise * 0.02)
+
+
+def _penalty_history(request: Request) -> list[int] | tuple[()]:
+    """The tokens a repetition penalty looks at; () when the request has none (no copy)."""
+    return request.all_token_ids if request.params.repetition_penalty != 1.0 else ()

@@ -56,24 +56,18 @@ def verify(
 ) -> list[int]:
     """The tokens this step produces for one request: accepted drafts plus one more."""
     assert logits.shape[0] == len(draft) + 1, "one row of logits per draft token, plus one"
-    if params.greedy and params.repetition_penalty == 1.0:
-        targets = logits.argmax(dim=-1).tolist()
+    probs = _target_probs(logits, draft, params, history)
+    if params.greedy:  # keep drafts while they are the argmax; then the argmax itself
+        targets = probs.argmax(dim=-1).tolist()
         out = []
         for drafted, target in zip(draft, targets, strict=False):
             out.append(target)
             if drafted != target:
                 return out
         return [*out, targets[len(draft)]]
-    probs = _target_probs(logits, draft, params, history)
     out = []
     for i, drafted in enumerate(draft):
         p = probs[i]
-        if params.greedy:  # greedy with a repetition penalty: argmax of the penalized row
-            target = int(p.argmax())
-            out.append(target)
-            if target != drafted:
-                return out
-            continue
         accept = float(p[drafted])
         draw = float(torch.rand((), generator=generator, device=logits.device))
         if accept >= 1.0 or draw < accept:
@@ -83,23 +77,21 @@ def verify(
         residual[drafted] = 0.0
         out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
         return out
-    last = probs[len(draft)]
-    if params.greedy:
-        return [*out, int(last.argmax())]
-    return [*out, int(torch.multinomial(last, 1, generator=generator))]
+    return [*out, int(torch.multinomial(probs[len(draft)], 1, generator=generator))]
 
 
 def _target_probs(
     logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, history: Sequence[int]
 ) -> torch.Tensor:
-    """p_0 .. p_k after the request's processing. Row i's repetition penalty also counts the
-    drafts before it, as one-token decoding would have seen them."""
+    """p_0 .. p_k after the request's processing (for greedy requests the penalized logits,
+    compared only by argmax). Row i's repetition penalty also counts the drafts before it, as
+    one-token decoding would have seen them."""
     rows = logits.shape[0]
     if params.repetition_penalty != 1.0:
         seen = [[*history, *draft[:i]] for i in range(rows)]
         logits = apply_repetition_penalty(logits, seen, [params.repetition_penalty] * rows)
     if params.greedy:
-        return logits  # only compared by argmax
+        return logits
     device = logits.device
 
     def column(value: float | int) -> torch.Tensor:
