@@ -56,13 +56,13 @@ format: setup-dev
 	$(BIN)/ruff check --fix .
 
 bench: setup
-	$(BIN)/python -m engine.bench $(ARGS)
+	$(BIN)/python -m benchmarks.throughput $(ARGS)
 
 bench-prefix: setup
-	$(BIN)/python -m engine.bench_prefix $(ARGS)
+	$(BIN)/python -m benchmarks.prefix $(ARGS)
 
 bench-spec: setup
-	$(BIN)/python -m engine.bench_spec $(ARGS)
+	$(BIN)/python -m benchmarks.spec $(ARGS)
 
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py $(ARGS)

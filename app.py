@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     remote = p.add_argument_group(
         "remote mode",
         "point the playground at an OpenAI-compatible server instead (our "
-        "engine.server, vLLM, SGLang, llama.cpp): no local engine is started, no weights loaded",
+        "engine.serving.server, vLLM, SGLang, llama.cpp): no local engine is started, no weights loaded",
     )
     remote.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000")
     remote.add_argument(
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_remote(args: argparse.Namespace) -> int:
     """Remote mode: ask the server what it serves, then the UI over it."""
     from playground.app import build_app, launch
-    from playground.remote_client import RemoteServer
+    from playground.remote.client import RemoteServer
 
     try:
         remote = RemoteServer.connect(
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_remote(args)
     # Imported after parsing so that --help answers at once.
     from engine import EngineConfig
-    from engine.service import EngineService
+    from engine.serving.service import EngineService
     from playground.app import build_app, launch
 
     try:

@@ -44,7 +44,7 @@ class EngineConfig:
     batching: Batching = "continuous"
     enable_chunked_prefill: bool = True
 
-    # --- speculative decoding (engine/spec_decode.py) ---
+    # --- speculative decoding (engine/core/spec_decode.py) ---
     speculative_method: SpeculativeMethod = "off"  # "ngram": prompt-lookup drafts
     num_speculative_tokens: int = 4  # draft tokens proposed per request and step
     prompt_lookup_max: int = 4  # longest suffix looked up (tokens)

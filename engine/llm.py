@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_manager import BlockSnapshot
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, Prompt
+from engine.core.block_manager import BlockSnapshot
+from engine.core.engine import LLMEngine, Prompt
 from engine.request import RequestOutput, SamplingParams
-from engine.stats import EngineStats
+from engine.telemetry.stats import EngineStats
 
 Messages = Sequence[dict[str, str]]
 

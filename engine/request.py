@@ -157,7 +157,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_new_output_tokens: int = 0
     output_text: str = ""
-    # Incremental detokenization state (engine/detokenizer.py sets it at admission).
+    # Incremental detokenization state (engine/core/detokenizer.py sets it at admission).
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
     num_text_chars_sent: int = 0  # output_text already handed to the caller

@@ -15,7 +15,7 @@ import gradio as gr
 
 from playground.context import AppContext
 from playground.engine_info import describe
-from playground.remote_client import RemoteServer
+from playground.remote.client import RemoteServer
 from playground.tabs import (
     chat,
     compare,

@@ -11,14 +11,14 @@ from typing import Any
 
 from engine.config import EngineConfig
 from playground.engine_info import EngineInfo, engine_info
-from playground.handlers_chat import ActiveRequests
-from playground.handlers_roofline import CeilingsProvider
-from playground.loadgen_targets import EngineTarget, OpenAITarget, Target
-from playground.remote_client import LazyTokenizer, RemoteServer
+from playground.handlers.chat import ActiveRequests
+from playground.handlers.roofline import CeilingsProvider
+from playground.loadgen.targets import EngineTarget, OpenAITarget, Target
+from playground.remote.client import LazyTokenizer, RemoteServer
 
 
 def _new_service(config: EngineConfig) -> Any:
-    from engine.service import EngineService
+    from engine.serving.service import EngineService
 
     return EngineService(config)
 

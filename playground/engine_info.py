@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.metrics import ModelShape
+from engine.telemetry.cost import ModelShape
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,13 @@ import itertools
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup
-from engine.attention_torch import gather_rows, split_by_length, store_rows, torch_attention
+from engine.runner.attention.base import AttentionMetadata, DecodeGroup
+from engine.runner.attention.torch_backend import (
+    gather_rows,
+    split_by_length,
+    store_rows,
+    torch_attention,
+)
 from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM = 64, 16, 3, 3, 64

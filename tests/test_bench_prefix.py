@@ -1,4 +1,4 @@
-"""engine.bench_prefix: the shared-prefix benchmark runs end to end and reports what it measured."""
+"""benchmarks.prefix: the shared-prefix benchmark runs end to end and reports what it measured."""
 
 import json
 

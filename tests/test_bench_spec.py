@@ -1,4 +1,4 @@
-"""engine.bench_spec: the copy-heavy workload runs with drafts off and on and reports them."""
+"""benchmarks.spec: the copy-heavy workload runs with drafts off and on and reports them."""
 
 import json
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 
 
 def test_paged_allocates_on_demand():

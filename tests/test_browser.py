@@ -46,7 +46,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def app_url():
     from engine import EngineConfig
-    from engine.service import EngineService
+    from engine.serving.service import EngineService
     from playground.app import build_app, launch
 
     service = EngineService(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import CudaGraphRunner, batch_size_buckets
+from engine.runner.cuda_graphs import CudaGraphRunner, batch_size_buckets
 
 
 def test_buckets_cover_every_batch_size():

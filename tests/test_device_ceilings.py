@@ -8,7 +8,7 @@ import time
 import pytest
 
 from engine import device_ceilings as dc
-from engine.device_ceilings import (
+from engine.telemetry.ceilings import (
     CACHE_FILE_NAME,
     PRESETS,
     DeviceCeilings,

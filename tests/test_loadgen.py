@@ -32,8 +32,8 @@ from playground.loadgen import (
     run_load_test,
     spec_from_args,
 )
-from playground.loadgen_metrics import meets_slos
-from playground.loadgen_workload import build_warmup_requests, parse_dataset_record
+from playground.loadgen.metrics import meets_slos
+from playground.loadgen.workload import build_warmup_requests, parse_dataset_record
 
 
 class FakeTokenizer:

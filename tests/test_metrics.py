@@ -7,18 +7,15 @@ import threading
 import numpy as np
 import pytest
 
-from engine.metrics import (
+from engine.telemetry.cost import (
     ModelShape,
-    RingBuffer,
-    StepStats,
     attended_positions,
     kv_cache_bytes,
-    latency_summary,
     linear_flops,
     max_concurrency,
     step_cost,
-    step_kind,
 )
+from engine.telemetry.stats import RingBuffer, StepStats, latency_summary, step_kind
 
 GiB = 1 << 30
 

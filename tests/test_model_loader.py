@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.model_loader import RANDOM_PRESETS, resolve_model
+from engine.runner.model_loader import RANDOM_PRESETS, resolve_model
 
 PROMPTS = [[5, 17, 42, 99, 3], [7] * 19, list(range(100, 140))]
 

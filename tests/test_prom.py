@@ -7,9 +7,9 @@ import threading
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics import StepStats
-from engine.prom import EngineMetricsRegistry
 from engine.request import RequestMetrics
+from engine.telemetry.prom import EngineMetricsRegistry
+from engine.telemetry.stats import StepStats
 
 
 def samples(reg: EngineMetricsRegistry) -> dict[tuple[str, tuple], float]:

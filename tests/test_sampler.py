@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import apply_repetition_penalty, logits_to_probs, sample
+from engine.runner.sampler import apply_repetition_penalty, logits_to_probs, sample
 
 
 def probs_for(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 4, **params) -> Request:

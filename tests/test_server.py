@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from engine import LLM, EngineConfig, EngineService, SamplingParams
-from engine.server import BackgroundServer, create_app
+from engine.serving.server import BackgroundServer, create_app
 from playground.loadgen import (
     EngineTarget,
     LengthDist,
@@ -357,7 +357,7 @@ def test_server_cli_starts_serves_and_stops(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.server", "--port", str(port), "--dtype", "float32",
+        [sys.executable, "-m", "engine.serving.server", "--port", str(port), "--dtype", "float32",
          "--num-kv-blocks", "64", "--max-model-len", "256"],
         env=os.environ | {"PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
@@ -381,7 +381,7 @@ def test_server_cli_starts_serves_and_stops(tmp_path):
 
 def test_every_engine_config_field_is_a_server_flag():
     from engine.config import EngineConfig
-    from engine.server import build_parser
+    from engine.serving.server import build_parser
 
     parser = build_parser()
     args = parser.parse_args(

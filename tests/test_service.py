@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine import LLM, EngineConfig, EngineService, SamplingParams
-from engine.service import wait_until_idle
+from engine.serving.service import wait_until_idle
 
 TINY = dict(model="random:tiny", dtype="float32", max_model_len=256, num_kv_blocks=64)
 

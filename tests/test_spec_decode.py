@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.spec_decode import propose_ngram, verify
+from engine.core.spec_decode import propose_ngram, verify
 
 # --- propose ----------------------------------------------------------------------------------
 
@@ -156,9 +156,9 @@ def test_config_checks_speculative_fields():
 
 
 def test_scheduler_verifies_drafts_and_rewinds_the_rejected_ones():
-    from engine.block_manager import BlockManager
+    from engine.core.block_manager import BlockManager
+    from engine.core.scheduler import Scheduler
     from engine.request import Request
-    from engine.scheduler import Scheduler
 
     sched = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=20, ignore_eos=True)

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
-from engine.metrics import kv_cache_bytes
+from engine.telemetry.cost import kv_cache_bytes
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

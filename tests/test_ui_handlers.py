@@ -12,15 +12,14 @@ import time
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.block_manager import BlockSnapshot
-from engine.device_ceilings import PRESETS
-from engine.metrics import StepStats
-from engine.stats import RequestProgress
-from playground.figures_blocks import MAX_CELLS, block_map_figure, build_cells, usage_gauge
-from playground.figures_engine import batch_timeline_figure, queue_html
-from playground.figures_latency import cdf_figure, gantt_figure, throughput_figure
-from playground.figures_roofline import roofline_figure
-from playground.handlers_chat import (
+from engine.core.block_manager import BlockSnapshot
+from engine.telemetry.ceilings import PRESETS
+from engine.telemetry.stats import RequestProgress, StepStats
+from playground.figures.blocks import MAX_CELLS, block_map_figure, build_cells, usage_gauge
+from playground.figures.engine import batch_timeline_figure, queue_html
+from playground.figures.latency import cdf_figure, gantt_figure, throughput_figure
+from playground.figures.roofline import roofline_figure
+from playground.handlers.chat import (
     ActiveRequests,
     build_messages,
     render,
@@ -28,8 +27,8 @@ from playground.handlers_chat import (
     stats_line,
     stream_reply,
 )
-from playground.handlers_compare import SideOutcome, compare_rows, preset_sides, side_config
-from playground.handlers_kv import (
+from playground.handlers.compare import SideOutcome, compare_rows, preset_sides, side_config
+from playground.handlers.kv import (
     LOADED_MODEL,
     MODEL_PRESETS,
     engine_pool_markdown,
@@ -38,9 +37,9 @@ from playground.handlers_kv import (
     table_rows,
     variant_kv_heads,
 )
-from playground.handlers_latency import latency_view
-from playground.handlers_live import live_view
-from playground.handlers_loadtest import (
+from playground.handlers.latency import latency_view
+from playground.handlers.live import live_view
+from playground.handlers.loadtest import (
     WORKLOAD_FIELDS,
     BackgroundRun,
     spec_from_form,
@@ -279,7 +278,7 @@ def test_compare_side_configs_hold_the_kv_budget_in_tokens():
 
 @pytest.fixture(scope="module")
 def service():
-    from engine.service import EngineService
+    from engine.serving.service import EngineService
 
     svc = EngineService(EngineConfig(**SMALL_ENGINE))
     yield svc
@@ -287,7 +286,7 @@ def service():
 
 
 def _wait_idle(service, timeout_s: float = 30.0) -> None:
-    from engine.service import wait_until_idle
+    from engine.serving.service import wait_until_idle
 
     assert wait_until_idle(service, timeout_s)
 
@@ -427,8 +426,8 @@ def test_api_load_test_live_and_kv_tabs(client):
 
 
 def test_background_compare_runs_both_sides_and_keeps_peak_maps(service):
-    from engine.service import EngineService
-    from playground.handlers_compare import BackgroundCompare, side_label
+    from engine.serving.service import EngineService
+    from playground.handlers.compare import BackgroundCompare, side_label
     from playground.loadgen import build_requests
 
     spec = spec_from_form({"num_prompts": 3, "arrival": "all at once", "input_kind": "fixed",
@@ -458,8 +457,8 @@ def test_background_compare_runs_both_sides_and_keeps_peak_maps(service):
 def test_compare_prefix_caching_computes_only_the_uncached_prompt_tokens(service):
     """The preset's workload (a shared prefix) on both sides: B finds the prefix in its cache
     and computes fewer prompt tokens; the rows say so, with B as the better side."""
-    from engine.service import EngineService
-    from playground.handlers_compare import PRESET_WORKLOAD, BackgroundCompare, side_label
+    from engine.serving.service import EngineService
+    from playground.handlers.compare import PRESET_WORKLOAD, BackgroundCompare, side_label
     from playground.loadgen import build_requests
 
     name = "prefix caching off vs on (shared prompt prefix)"
@@ -520,8 +519,8 @@ def test_api_chat_and_live_refresh_answer_during_a_load_test(client, service):
 
 
 def test_live_summary_reports_prefix_cache_hits_once_used():
-    from engine.stats import EngineStats
-    from playground.handlers_live import summary_markdown
+    from engine.telemetry.stats import EngineStats
+    from playground.handlers.live import summary_markdown
 
     base = dict(num_kv_blocks=64, num_free_kv_blocks=60, block_size=16, kv_cache_bytes=1 << 20,
                 num_running=1, num_waiting=0, num_preemptions_total=0, num_steps_total=3)  # fmt: skip

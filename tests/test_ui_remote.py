@@ -12,12 +12,12 @@ import time
 import pytest
 
 from engine import EngineConfig
-from engine.server import BackgroundServer, create_app
-from engine.service import EngineService
-from playground.handlers_chat import ActiveRequests, sampling_params
-from playground.handlers_chat_remote import RemoteChat
-from playground.handlers_loadtest import WORKLOAD_FIELDS
-from playground.remote_client import ChatStream, RemoteServer, chat_body
+from engine.serving.server import BackgroundServer, create_app
+from engine.serving.service import EngineService
+from playground.handlers.chat import ActiveRequests, sampling_params
+from playground.handlers.chat_remote import RemoteChat
+from playground.handlers.loadtest import WORKLOAD_FIELDS
+from playground.remote.client import ChatStream, RemoteServer, chat_body
 from playground.tabs.compare import WORKLOAD_FIELDS as COMPARE_FIELDS
 
 pytestmark = [

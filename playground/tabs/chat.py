@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers_chat import EngineChat, build_messages, render, sampling_params
-from playground.handlers_chat_remote import RemoteChat
+from playground.handlers.chat import EngineChat, build_messages, render, sampling_params
+from playground.handlers.chat_remote import RemoteChat
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
 

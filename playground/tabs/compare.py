@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.figures_blocks import block_map_figure
-from playground.figures_latency import (
+from playground.figures.blocks import block_map_figure
+from playground.figures.latency import (
     latency_cdfs_figure,
     output_rate_figure,
     requests_per_step_figure,
 )
-from playground.figures_style import empty_figure
-from playground.handlers_compare import (
+from playground.figures.style import empty_figure
+from playground.handlers.compare import (
     BLOCK_SIZES,
     COMPARE_HEADERS,
     DEFAULT_COMPARE_WORKLOAD,
@@ -35,7 +35,7 @@ from playground.handlers_compare import (
     side_config,
     side_label,
 )
-from playground.handlers_loadtest import LENGTH_FIELDS, progress_html, spec_from_form
+from playground.handlers.loadtest import LENGTH_FIELDS, progress_html, spec_from_form
 from playground.loadgen import build_requests
 from playground.tabs.benchmark import BENCHMARK_QUEUE, stop_handler
 from playground.tabs.workload_form import workload_form

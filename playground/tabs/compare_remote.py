@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers_compare_remote import (
+from playground.handlers.compare_remote import (
     RemoteCompare,
     connect_side,
     remote_compare_rows,
     target_for,
 )
-from playground.handlers_loadtest import spec_from_form
+from playground.handlers.loadtest import spec_from_form
 from playground.loadgen import build_requests
 from playground.tabs.benchmark import BENCHMARK_QUEUE
 from playground.tabs.compare import (

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers_live import live_view
+from playground.handlers.live import live_view
 
 REFRESH_S = 1.0
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.figures_kv import memory_bars_figure
-from playground.handlers_kv import (
+from playground.figures.kv import memory_bars_figure
+from playground.handlers.kv import (
     BYTES_PER_ELEMENT,
     GPU_MEMORY_GB,
     LOADED_MODEL,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers_latency import SUMMARY_HEADERS, WINDOWS_S, latency_view
+from playground.handlers.latency import SUMMARY_HEADERS, WINDOWS_S, latency_view
 
 REFRESH_S = 2.0
 

@@ -11,15 +11,15 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.figures_latency import (
+from playground.figures.latency import (
     gantt_figure,
     nice_bin_s,
     output_rate_figure,
     queue_depth_figure,
     throughput_figure,
 )
-from playground.figures_style import empty_figure
-from playground.handlers_loadtest import (
+from playground.figures.style import empty_figure
+from playground.handlers.loadtest import (
     DEFAULT_WORKLOAD,
     WORKLOAD_FIELDS,
     BackgroundRun,

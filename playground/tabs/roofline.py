@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers_roofline import (
+from playground.handlers.roofline import (
     HOW_TO_READ,
     MEASURED,
     NO_REMOTE_STEPS,

@@ -8,7 +8,7 @@ from typing import Any
 
 import gradio as gr
 
-from playground.handlers_loadtest import ARRIVALS, LENGTH_KINDS
+from playground.handlers.loadtest import ARRIVALS, LENGTH_KINDS
 
 
 def _length_fields(which: str, d: Mapping[str, Any], parts: dict[str, gr.components.Component]):

@@ -1,0 +1,1 @@
+"""Benchmarks: runnable scripts (`python -m benchmarks.NAME --help`) that print JSON."""

@@ -1,0 +1,199 @@
+"""Throughput benchmark: our engine (continuous + paged, and static) vs HF `generate`.
+
+    python -m benchmarks.throughput                   # the seeded 64-request workload, bfloat16
+    python -m benchmarks.throughput --num-requests 16 --output-len 8 64 --json results/bench.json
+
+One process runs (a) our engine with continuous batching and paged KV, (b) our engine with
+static batching, (c) Hugging Face transformers `generate` with static batches (left-padded,
+each batch runs until its longest request is done). Every request has an exact output length
+(ignore_eos), greedy. Prints JSON: output tokens/s, TTFT and TPOT p50/p99, and the ratios.
+Arrivals: all requests are submitted at t=0, so TTFT includes queueing behind earlier work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import bench_parser, emit
+from engine.llm import LLM
+from engine.request import SamplingParams
+from engine.telemetry.stats import latency_summary
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    rng = random.Random(args.seed)
+    # Ids above the special tokens and below the vocab size: plain text tokens.
+    prompts = [
+        [rng.randrange(100, vocab_size) for _ in range(rng.randint(*args.prompt_len))]
+        for _ in range(args.num_requests)
+    ]
+    outputs = [rng.randint(*args.output_len) for _ in range(args.num_requests)]
+    return Workload(prompts, outputs)
+
+
+def summarize(name: str, duration_s: float, num_tokens: int, ttfts: list[float],
+              tpots: list[float], config: dict) -> dict:  # fmt: skip
+    ttft, tpot = latency_summary(ttfts), latency_summary(tpots)
+    return {
+        "name": name,
+        "config": config,
+        "duration_s": round(duration_s, 3),
+        "output_tokens": num_tokens,
+        "output_tokens_per_s": round(num_tokens / duration_s, 2),
+        "ttft_p50_s": _round(ttft["median"]),
+        "ttft_p99_s": _round(ttft["p99"]),
+        "tpot_p50_s": _round(tpot["median"]),
+        "tpot_p99_s": _round(tpot["p99"]),
+    }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def run_ours(args: argparse.Namespace, workload: Workload, batching: str, max_num_seqs: int):
+    config = dict(
+        dtype=args.dtype, batching=batching, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+    )  # fmt: skip
+    llm = LLM(model=args.model, **config)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in workload.output_lens]  # fmt: skip
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(workload.prompts, params)
+    duration = time.perf_counter() - start
+    assert [len(o.token_ids) for o in outs] == workload.output_lens
+    result = summarize(
+        f"ours_{batching}", duration, sum(len(o.token_ids) for o in outs),
+        [o.metrics.ttft_s for o in outs], [t for o in outs if (t := o.metrics.tpot_s)],
+        {**config, "num_kv_blocks": llm.stats().num_kv_blocks},
+    )  # fmt: skip
+    result["num_preemptions"] = llm.stats().num_preemptions_total
+    weights_dir = llm.engine.source.weights_dir
+    del llm
+    gc.collect()
+    return result, weights_dir
+
+
+class _StepClock:
+    """A logits processor that only records when each generation step produced its logits."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_hf(args: argparse.Namespace, workload: Workload, weights_dir: Path) -> dict:
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=dtype).eval()
+    pad_id = model.config.eos_token_id
+    pad_id = pad_id[0] if isinstance(pad_id, list) else (pad_id or 0)
+    ttfts, tpots = [], []
+    total = 0
+    start = time.perf_counter()
+    for b in range(0, len(workload.prompts), args.hf_batch):
+        prompts = workload.prompts[b : b + args.hf_batch]
+        lens = workload.output_lens[b : b + args.hf_batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        clock = _StepClock()
+        with torch.inference_mode():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
+                do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]),
+            )  # fmt: skip
+        for n in lens:
+            # Token k of every row appears at step k; a request is done at its own length.
+            ttfts.append(clock.times[0] - start)
+            if n > 1:
+                tpots.append((clock.times[n - 1] - clock.times[0]) / (n - 1))
+            total += n
+    duration = time.perf_counter() - start
+    return summarize(
+        "hf_static", duration, total, ttfts, tpots,
+        {"dtype": args.dtype, "batch_size": args.hf_batch, "library": "transformers"},
+    )  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = bench_parser(__doc__)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--max-num-seqs", type=int, default=64, help="continuous batching slots")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--static-batch", type=int, default=8, help="our static mode's batch size")
+    p.add_argument("--hf-batch", type=int, default=8, help="HF generate's batch size")
+    p.add_argument("--skip", nargs="*", default=[], choices=["static", "hf"])
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    results = {}
+    workload = make_workload(args, _vocab_size(args.model))
+    results["continuous"], weights_dir = run_ours(args, workload, "continuous", args.max_num_seqs)
+    if "static" not in args.skip:
+        results["static"], _ = run_ours(args, workload, "static", args.static_batch)
+    if "hf" not in args.skip and weights_dir is not None:
+        results["hf_static"] = run_hf(args, workload, weights_dir)
+    cont = results["continuous"]["output_tokens_per_s"]
+    report = {
+        "benchmark": "benchmarks.throughput",
+        "date": time.strftime("%Y-%m-%d"),
+        "torch_threads": torch.get_num_threads(),
+        "workload": {
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "seed": args.seed,
+            "arrivals": "all at t=0",
+            "output_tokens": workload.num_output_tokens,
+            "greedy": True,
+            "ignore_eos": True,
+        },
+        "results": results,
+        "ratios": {
+            f"continuous_vs_{k}": round(cont / v["output_tokens_per_s"], 2)
+            for k, v in results.items()
+            if k != "continuous"
+        },
+    }
+    emit(report, args.json)
+    return report
+
+
+def _vocab_size(model: str) -> int:
+    from engine.runner.model_loader import resolve_model
+
+    return resolve_model(model).arch.vocab_size
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,308 @@
+"""Continuous batching in the vLLM v1 style: no prefill/decode phases, one token budget.
+
+Each request has `num_computed_tokens` (K/V already in the cache) and `num_tokens` (prompt +
+output). A step gives each chosen request `num_new_tokens` of work: a whole or chunked prefill,
+or one decode token. Running requests go first (FCFS); when blocks run out the newest running
+request is preempted (blocks freed, put back at the front of the waiting queue, recomputed
+later). Waiting requests are admitted while the budget, the sequence cap and the blocks allow;
+with prefix caching an admitted request first shares its longest cached prefix of full blocks
+(BlockManager.lookup_prefix) and starts computing after it.
+
+`batching="static"` is the pre-Orca baseline: a batch is admitted only when the previous one
+has completely finished, so no request joins a running batch and early finishers leave holes.
+
+The scheduler never touches tensors: it hands the model runner block ids in `SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+from engine.core.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens to compute this step, from request.num_computed_tokens
+    block_table: list[int]  # the request's KV blocks (a live view, not a copy)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens >= req.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Generating (drafts included), as opposed to computing the prompt: a prompt's last
+        1-token chunk is still prefill. (Read before update() advances the request.)"""
+        req = self.request
+        return req.num_output_tokens > 0 and req.num_computed_tokens + 1 >= req.num_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative tokens scheduled past the known ones (verified by this step)."""
+        req = self.request
+        return max(0, req.num_computed_tokens + self.num_new_tokens - req.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)  # preempted during this step
+    num_prefill_tokens: int = 0  # tokens of requests with more than one new token
+    num_decode_tokens: int = 0  # tokens of requests in decode (speculative tokens included)
+    # Prefix cache, for requests admitted this step: tokens looked up, tokens found cached.
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        batching: str = "continuous",
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.static = batching == "static"
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+        # Prefix cache, over all admissions: prompt tokens looked up / found cached.
+        self.num_prefix_query_tokens_total = 0
+        self.num_prefix_hit_tokens_total = 0
+
+    # --- queue management ---
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._finish(request, RequestStatus.FINISHED_ABORTED)
+                    return request
+        return None
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a running request early (the engine calls this when a stop string matched)."""
+        if request in self.running:
+            self.running.remove(request)
+        self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.metrics.finish_time = time.perf_counter()
+        self.block_manager.free(request.request_id)
+
+    # --- one step ---
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        if self.static and not self.running:
+            self._admit_static_batch(out)
+
+        # 1) Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            if num_new == 1 and request.draft_token_ids:  # decode: verify the drafts too
+                request.draft_token_ids = request.draft_token_ids[: budget - 1]
+                num_new += len(request.draft_token_ids)
+            target = request.num_computed_tokens + num_new
+            if not self._reserve(request, target, out):
+                break  # the request preempted itself; nothing after it can run either
+            self._add(out, request, num_new)
+            budget -= num_new
+            i += 1
+
+        # 2) Waiting requests (continuous only), unless this step had to preempt: the blocks
+        #    are too scarce to take on more work.
+        if not self.static and not out.preempted_ids:
+            bm = self.block_manager
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                # Fresh (or preempted) requests start from their longest cached prefix.
+                prefix = self._cached_prefix(request)
+                cached_tokens = len(prefix) * bm.block_size
+                num_new = self._num_new_tokens(request, budget, skip=cached_tokens)
+                if num_new == 0:
+                    break
+                target = request.num_computed_tokens + cached_tokens + num_new
+                if not bm.can_allocate(request.request_id, target, prefix):
+                    break
+                self.waiting.popleft()
+                if bm.enable_prefix_caching:
+                    self._start_from_prefix(request, prefix, out)
+                bm.allocate(request.request_id, target)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                self._add(out, request, num_new)
+                budget -= num_new
+        return out
+
+    def _admit_static_batch(self, out: SchedulerOutput) -> None:
+        """Static batching: take up to max_num_seqs waiting requests whose prompts all fit."""
+        bm = self.block_manager
+        blocks_left = bm.num_free_blocks
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self._cached_prefix(request)
+            blocks = bm.blocks_needed(request.request_id, request.num_tokens, prefix)
+            if blocks > blocks_left:
+                break
+            blocks_left -= blocks
+            self.waiting.popleft()
+            if bm.enable_prefix_caching:  # the rest is allocated as it is computed
+                self._start_from_prefix(request, prefix, out)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The request's longest cached run of full blocks ([] when prefix caching is off)."""
+        bm = self.block_manager
+        return bm.lookup_prefix(request.all_token_ids) if bm.enable_prefix_caching else []
+
+    def _start_from_prefix(self, request: Request, prefix: list[int], out: SchedulerOutput) -> None:
+        """Count the lookup; share the cached prefix blocks, if any, and skip those tokens."""
+        cached_tokens = len(prefix) * self.block_manager.block_size
+        if prefix:
+            self.block_manager.allocate(request.request_id, cached_tokens, prefix)
+            request.num_computed_tokens = cached_tokens
+        request.metrics.num_cached_tokens = cached_tokens
+        out.num_prefix_query_tokens += request.num_tokens
+        out.num_prefix_hit_tokens += cached_tokens
+
+    def _num_new_tokens(self, request: Request, budget: int, skip: int = 0) -> int:
+        """Tokens to compute this step; `skip` more are already cached (prefix hit)."""
+        num_new = request.num_tokens - request.num_computed_tokens - skip
+        if num_new > budget:
+            if not self.enable_chunked_prefill:
+                return 0
+            num_new = budget
+        return num_new
+
+    def _reserve(self, request: Request, target_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for `request`, preempting the newest running requests if needed."""
+        bm = self.block_manager
+        while not bm.can_allocate(request.request_id, target_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        bm.allocate(request.request_id, target_tokens)
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        # Recompute-style preemption: drop the KV, keep the tokens; the request re-enters
+        # at the front of the queue and prefills prompt + output so far when readmitted.
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.draft_token_ids = []
+        request.metrics.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        out.preempted_ids.append(request.request_id)
+
+    def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.perf_counter()
+        item = ScheduledRequest(
+            request, num_new, self.block_manager.block_table(request.request_id)
+        )
+        out.scheduled.append(item)
+        if item.is_decode:
+            out.num_decode_tokens += num_new
+        else:
+            out.num_prefill_tokens += num_new
+
+    # --- after the model ran ---
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float | None = None
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests at a token stop.
+
+        `sampled` has one token per request that reached its end, or several when drafts were
+        verified (accepted drafts + one). Returns the requests that got tokens or finished.
+        """
+        now = time.perf_counter() if now is None else now
+        touched: list[Request] = []
+        for item in out.scheduled:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted later in the same step (its work is discarded)
+            tokens = sampled.get(request.request_id, [])
+            # K/V stay valid up to the last accepted draft; rejected drafts' slots get
+            # overwritten later (no attention reads past num_computed_tokens). num_draft_tokens
+            # reads the request, so it is taken before the request advances below.
+            num_rejected = item.num_draft_tokens - max(0, len(tokens) - 1)
+            request.num_computed_tokens += item.num_new_tokens - num_rejected
+            request.draft_token_ids = []
+            status = None
+            for token in tokens:
+                request.output_token_ids.append(token)
+                request.metrics.token_times.append(now)
+                status = self._token_stop(request, token)
+                if status is not None:
+                    break  # tokens after a stop are dropped
+            request.num_new_output_tokens = len(request.output_token_ids) - (
+                request.metrics.num_output_tokens
+            )
+            request.metrics.num_output_tokens = request.num_output_tokens
+            if tokens:  # a stop inside the accepted drafts leaves fewer tokens than computed
+                request.num_computed_tokens = min(
+                    request.num_computed_tokens, request.num_tokens - 1
+                )
+            if self.block_manager.enable_prefix_caching:
+                self.block_manager.cache_full_blocks(
+                    request.request_id, request.all_token_ids, request.num_computed_tokens
+                )
+            if not tokens:
+                continue
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if status is not None:
+                self.finish(request, status)
+            touched.append(request)
+        return touched
+
+    def _token_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= request.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

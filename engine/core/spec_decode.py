@@ -1,0 +1,106 @@
+"""Speculative decoding with n-gram (prompt-lookup) drafts: propose, then verify in one step.
+
+Propose: the last n tokens of a request (n from prompt_lookup_max down to prompt_lookup_min)
+are looked up earlier in its own prompt + output; the k tokens that followed their latest
+earlier occurrence are the draft. Text that copies from its context (code edits, quotes,
+summaries, structured output) is where this guesses right. No draft model, no extra compute.
+
+Verify: the step feeds [last token, d_1 .. d_k] through the model at once (like a short
+prefill over the cached context) and gets k + 1 rows of logits; row i is the model's
+distribution p_i for the token after d_1 .. d_i. Tokens are then accepted in order:
+- greedy: d_i is kept while it equals argmax p_{i-1}; the first mismatch is replaced by the
+  argmax, so the output is exactly what one-token decoding would have produced;
+- sampling (rejection sampling with a one-hot draft q): d_i is kept with probability
+  p_{i-1}(d_i); on the first rejection a token is drawn from p_{i-1} with d_i removed
+  (renormalized), which leaves every output token distributed exactly as p (Leviathan et al.,
+  2023, with q = one-hot);
+- if all k are kept, one more token is taken from p_k (the bonus token).
+So a step yields 1 to k + 1 tokens for the cost of one forward pass over k + 1 positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.request import SamplingParams
+from engine.runner.sampler import apply_repetition_penalty, logits_to_probs
+
+
+def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
+    """Up to `num_tokens` draft tokens: what followed the latest earlier occurrence of the
+    longest suffix (max_n down to min_n tokens) of `token_ids`; [] when none recurs."""
+    if num_tokens < 1:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        # Every window of n tokens except the suffix itself.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # the latest occurrence: the most recent context
+            return tokens[start : start + num_tokens].tolist()
+    return []
+
+
+def verify(
+    logits: torch.Tensor,  # [k + 1, V] float32: rows for [last token, d_1 .. d_k]
+    draft: Sequence[int],  # d_1 .. d_k
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    history: Sequence[int] = (),  # prompt + output so far (for the repetition penalty)
+) -> list[int]:
+    """The tokens this step produces for one request: accepted drafts plus one more."""
+    assert logits.shape[0] == len(draft) + 1, "one row of logits per draft token, plus one"
+    probs = _target_probs(logits, draft, params, history)
+    if params.greedy:  # keep drafts while they are the argmax; then the argmax itself
+        targets = probs.argmax(dim=-1).tolist()
+        out = []
+        for drafted, target in zip(draft, targets, strict=False):
+            out.append(target)
+            if drafted != target:
+                return out
+        return [*out, targets[len(draft)]]
+    out = []
+    for i, drafted in enumerate(draft):
+        p = probs[i]
+        accept = float(p[drafted])
+        draw = float(torch.rand((), generator=generator, device=logits.device))
+        if accept >= 1.0 or draw < accept:
+            out.append(int(drafted))
+            continue
+        residual = p.clone()
+        residual[drafted] = 0.0
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    return [*out, int(torch.multinomial(probs[len(draft)], 1, generator=generator))]
+
+
+def _target_probs(
+    logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, history: Sequence[int]
+) -> torch.Tensor:
+    """p_0 .. p_k after the request's processing (for greedy requests the penalized logits,
+    compared only by argmax). Row i's repetition penalty also counts the drafts before it, as
+    one-token decoding would have seen them."""
+    rows = logits.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = [[*history, *draft[:i]] for i in range(rows)]
+        logits = apply_repetition_penalty(logits, seen, [params.repetition_penalty] * rows)
+    if params.greedy:
+        return logits
+    device = logits.device
+
+    def column(value: float | int) -> torch.Tensor:
+        return torch.full((rows,), value, device=device)
+
+    return logits_to_probs(
+        logits,
+        column(params.temperature),
+        column(params.top_k).long(),
+        column(params.top_p),
+        column(params.min_p),
+    )

@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache: one backend interface, a torch and a Triton backend."""

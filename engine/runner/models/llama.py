@@ -1,0 +1,196 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM) in plain torch over a paged KV cache.
+
+Tokens of all requests in a step are packed into one flat batch of T tokens; attention finds
+each token's request and context through `AttentionMetadata` (see engine/runner/attention/base.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.runner.attention.base import AttentionMetadata, paged_attention
+from engine.runner.models.arch import ModelArch, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32, scale in the model dtype: what Hugging Face does (parity).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, heads, D]; cos/sin [T, 1, D/2] in x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        # q, k and v share one matmul: fewer kernel launches per layer.
+        self.qkv_proj = nn.Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated in one go
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, heads, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(self, hidden, cos, sin, kv_cache, meta):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)build the cos/sin tables [max_positions, D/2] in float32 on the model's device.
+
+        Called again after `to_empty()` when the model was built on the meta device.
+        """
+        device = self.embed_tokens.weight.device
+        if device.type == "meta":
+            return
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(positions, rope_inv_freq(self.arch).to(device))
+        self.rope_cos = freqs.cos()
+        self.rope_sin = freqs.sin()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] (normed); logits are computed apart."""
+        hidden = self.embed_tokens(input_ids)
+        dtype = hidden.dtype
+        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
+        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab] (lm_head in the model dtype, as HF does)."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into our packed layers."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding table is the head
+            for parts, fused in _FUSED:
+                part = next((p for p in parts if f".{p}." in name), None)
+                if part is None:
+                    continue
+                target = name.replace(f".{part}.", f".{fused}.")
+                group = pending.setdefault(target, {})
+                group[part] = tensor
+                if len(group) == len(parts):
+                    _copy_param(params, target, torch.cat([group[p] for p in parts], dim=0))
+                    loaded.add(target)
+                    del pending[target]
+                break
+            else:
+                _copy_param(params, name, tensor)
+                loaded.add(name)
+        missing = set(params) - loaded
+        if missing or pending:
+            raise ValueError(
+                f"model: checkpoint lacks tensors {sorted(missing | set(pending))[:5]}"
+            )
+
+
+_FUSED = (
+    (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    (("gate_proj", "up_proj"), "gate_up_proj"),
+)
+
+
+def _copy_param(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    if name not in params:
+        raise ValueError(f"model: unexpected tensor {name!r} in checkpoint")
+    param = params[name]
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"model: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)

@@ -1,0 +1,1 @@
+"""Serving the engine: EngineService (engine thread, streams) and the OpenAI-compatible server."""

@@ -1,0 +1,211 @@
+"""What the engine records and hands to its callers (UI, server): the per-step record
+(StepStats), bounded histories (RingBuffer), latency summaries and engine snapshots. Plain data,
+no torch; only RingBuffer holds a lock, for the copy."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from engine.request import RequestMetrics
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------
+# Per-step record
+# --------------------------------------------------------------------------------------------
+
+
+def step_kind(num_prefill_tokens: int, num_decode_tokens: int) -> str:
+    """ "prefill", "decode", "mixed" (both in one step) or "idle" (neither)."""
+    if num_prefill_tokens and num_decode_tokens:
+        return "mixed"
+    if num_prefill_tokens:
+        return "prefill"
+    if num_decode_tokens:
+        return "decode"
+    return "idle"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """What one engine step did; the scheduler emits one per step (keyword-only fields)."""
+
+    step_index: int  # 0, 1, 2, ... since the engine started
+    start_time: float  # time.perf_counter() seconds at the start of the step
+    duration_s: float  # seconds from schedule to update, model included
+    kind: str  # "prefill" | "decode" | "mixed" | "idle" (see step_kind)
+    num_prefill_tokens: int  # tokens computed for requests still in prefill (chunks included)
+    num_decode_tokens: int  # tokens computed for requests in decode (speculative ones included)
+    num_prefill_reqs: int  # requests that prefilled (a chunk or all) this step
+    num_decode_reqs: int  # requests that decoded this step
+    batch_size: int  # requests in the step (prefill + decode)
+    num_running: int  # requests in the running queue after the step
+    num_waiting: int  # requests in the waiting queue after the step
+    num_preemptions: int  # requests preempted during this step
+    num_blocks_used: int  # KV blocks held by requests after the step
+    num_blocks_free: int  # KV blocks on the free list after the step
+    num_kv_blocks: int  # KV blocks in the pool
+    flops: float  # estimated floating-point operations (step_cost)
+    bytes_moved: float  # estimated device-memory bytes read + written (step_cost)
+    num_blocks_cached: int = 0  # free blocks that still hold a reusable prefix-cache hash
+    num_prefix_query_tokens: int = 0  # prompt tokens of requests admitted this step
+    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed)
+    num_draft_tokens: int = 0  # speculative tokens verified this step (in num_decode_tokens)
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOP per byte; 0 when nothing moved."""
+        return self.flops / self.bytes_moved if self.bytes_moved > 0 else 0.0
+
+    @property
+    def achieved_flops_per_s(self) -> float:
+        return self.flops / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def achieved_bytes_per_s(self) -> float:
+        return self.bytes_moved / self.duration_s if self.duration_s > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Bounded history and summaries
+# --------------------------------------------------------------------------------------------
+
+
+class RingBuffer(Generic[T]):
+    """Keeps the last `capacity` items. The engine thread appends, UI threads snapshot;
+    the lock is held only for the append or the copy."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: must be >= 1, got {capacity}")
+        self._items: deque[T] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self._total_appended = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._items.maxlen or 0
+
+    @property
+    def total_appended(self) -> int:
+        """Items ever appended (including ones since dropped); survives clear()."""
+        return self._total_appended
+
+    def append(self, item: T) -> None:
+        with self._lock:
+            self._items.append(item)
+            self._total_appended += 1
+
+    def snapshot(self) -> list[T]:
+        """A copy of the kept items, oldest first."""
+        with self._lock:
+            return list(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """q-th percentile (0..100) of already sorted values, linear interpolation between the two
+    nearest ranks (numpy.percentile's default "linear" method)."""
+    if not sorted_values:
+        raise ValueError("percentile of an empty sequence")
+    rank = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    frac = rank - lo
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac
+
+
+def latency_summary(values: Sequence[float]) -> dict[str, float | int | None]:
+    """mean, median, p90, p99, min, max and count of values (None each when empty)."""
+    if not values:
+        return dict.fromkeys(("mean", "median", "p90", "p99", "min", "max"), None) | {"count": 0}
+    xs = sorted(values)
+    return {
+        "mean": sum(xs) / len(xs),
+        "median": percentile(xs, 50),
+        "p90": percentile(xs, 90),
+        "p99": percentile(xs, 99),
+        "min": xs[0],
+        "max": xs[-1],
+        "count": len(xs),
+    }
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """One queued or running request, for the live queue view."""
+
+    request_id: str
+    status: str  # "waiting" | "running" | "preempted"
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose K/V are in the cache
+    num_output_tokens: int
+    max_tokens: int
+    num_blocks: int  # KV blocks it holds
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    block_size: int  # tokens per block
+    kv_cache_bytes: int  # bytes of the allocated K and V tensors
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    num_steps_total: int
+    # Prefix cache (zero when it is off): prompt tokens looked up and found at admission,
+    # free blocks still holding a prefix, cached blocks evicted for new tokens.
+    num_prefix_query_tokens_total: int = 0
+    num_prefix_hit_tokens_total: int = 0
+    num_cached_kv_blocks: int = 0
+    num_prefix_evictions_total: int = 0
+    # Speculative decoding (zero when off): draft tokens verified, and accepted.
+    num_draft_tokens_total: int = 0
+    num_accepted_tokens_total: int = 0
+    steps: list[StepStats] = field(default_factory=list)  # most recent last
+    finished: list[FinishedRequest] = field(default_factory=list)  # most recent last
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        return self.num_kv_blocks - self.num_free_kv_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens found in the prefix cache (0 when none)."""
+        queries = self.num_prefix_query_tokens_total
+        return self.num_prefix_hit_tokens_total / queries if queries else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Fraction of verified draft tokens that were accepted (0 when none)."""
+        drafts = self.num_draft_tokens_total
+        return self.num_accepted_tokens_total / drafts if drafts else 0.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0

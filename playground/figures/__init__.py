@@ -1,0 +1,1 @@
+"""Plotly figures of engine snapshots; no engine state, no Gradio."""

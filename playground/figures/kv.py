@@ -1,0 +1,47 @@
+"""KV calculator chart: weights + KV cache per batch size against a GPU's memory."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from playground.figures.style import base_layout
+from playground.handlers.kv import GB, GPU_MEMORY_GB, TABLE_BATCH_SIZES, KVInputs
+
+
+def memory_bars_figure(x: KVInputs) -> go.Figure:
+    batches = sorted({*TABLE_BATCH_SIZES, x.batch_size})
+    labels = [str(b) for b in batches]
+    kv_gb = [x.kv(batch_size=b) / GB for b in batches]
+    fig = go.Figure()
+    fig.add_bar(
+        x=labels,
+        y=[x.weights_bytes / GB] * len(batches),
+        name="weights",
+        marker_color="#9ca3af",
+        hovertemplate="weights %{y:.1f} GB<extra></extra>",
+    )
+    fig.add_bar(
+        x=labels,
+        y=kv_gb,
+        name=f"KV cache ({x.seq_len:,} tokens per request)",
+        marker_color=["#dc2626" if b == x.batch_size else "#2563eb" for b in batches],
+        hovertemplate="batch %{x}<br>KV %{y:.2f} GB<extra></extra>",
+    )
+    total_gb = GPU_MEMORY_GB[x.gpu]
+    fig.add_hline(
+        y=total_gb,
+        line={"color": "#111827", "dash": "dash"},
+        annotation_text=f"{x.gpu}: {total_gb} GB",
+        annotation_position="top left",
+    )
+    fig.add_hline(
+        y=total_gb * x.memory_fraction,
+        line={"color": "#6b7280", "dash": "dot"},
+        annotation_text=f"usable ({x.memory_fraction:.0%})",
+        annotation_position="bottom left",
+    )
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="batch size (concurrent requests)", type="category")
+    fig.update_yaxes(title_text="GB")
+    title = f"{x.preset.name}, {x.num_kv_heads} KV heads: memory per batch size"
+    return base_layout(fig, title, height=360)

@@ -1,0 +1,90 @@
+"""The roofline: attainable FLOP/s = min(peak, intensity x bandwidth) on log-log axes, with the
+engine's recent steps as points (achieved FLOP/s at their FLOP/byte)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+
+from engine.telemetry.ceilings import DeviceCeilings, roof_fraction, roofline_curve
+from engine.telemetry.stats import StepStats
+from playground.figures.style import KIND_COLORS, base_layout, fmt_si
+
+
+def marker_size(batch_size: int) -> float:
+    """Marker diameter in px: area grows with the batch (sqrt keeps big batches readable)."""
+    return 6.0 + 4.0 * math.sqrt(max(1, batch_size))
+
+
+def _point_hover(step: StepStats, fraction: float) -> str:
+    return (
+        f"step {step.step_index} ({step.kind})<br>batch {step.batch_size} requests: "
+        f"{step.num_prefill_tokens} prefill + {step.num_decode_tokens} decode tokens"
+        f"<br>FLOPs {fmt_si(step.flops)}<br>bytes {fmt_si(step.bytes_moved, 'B')}"
+        f"<br>time {step.duration_s * 1e3:.2f} ms"
+        f"<br>intensity {step.arithmetic_intensity:.3g} FLOP/B"
+        f"<br>achieved {fmt_si(step.achieved_flops_per_s, 'FLOP/s')}"
+        f"<br>{fraction:.1%} of the roof"
+    )
+
+
+def roofline_figure(
+    ceilings: DeviceCeilings, dtype: str, steps: Sequence[StepStats], max_points: int = 600
+) -> go.Figure:
+    steps = [s for s in steps if s.flops > 0 and s.bytes_moved > 0 and s.duration_s > 0]
+    steps = steps[-max_points:]
+    intensities = [s.arithmetic_intensity for s in steps]
+    lo = min([0.1, *(i / 3 for i in intensities)])
+    hi = max([1e4, *(i * 3 for i in intensities)])
+    xs, ys = roofline_curve(ceilings, dtype, lo, hi)
+    peak = ceilings.peak(dtype)
+    ridge = ceilings.ridge_point(dtype)
+    fig = go.Figure()
+    fig.add_scatter(
+        x=xs,
+        y=ys,
+        mode="lines",
+        name="roof: min(peak, I x bandwidth)",
+        line={"color": "#111827", "width": 2.5},
+        hovertemplate="I=%{x:.3g} FLOP/B<br>attainable %{y:.3s}FLOP/s<extra>roof</extra>",
+    )
+    for kind in ("prefill", "decode", "mixed"):
+        chosen = [s for s in steps if s.kind == kind]
+        if not chosen:
+            continue
+        fractions = [
+            roof_fraction(ceilings, dtype, s.flops, s.bytes_moved, s.duration_s) for s in chosen
+        ]
+        fig.add_scatter(
+            x=[s.arithmetic_intensity for s in chosen],
+            y=[s.achieved_flops_per_s for s in chosen],
+            mode="markers",
+            name=f"{kind} steps",
+            marker={
+                "color": KIND_COLORS[kind],
+                "size": [marker_size(s.batch_size) for s in chosen],
+                "opacity": 0.7,
+                "line": {"width": 0.5, "color": "white"},
+            },
+            text=[_point_hover(s, f) for s, f in zip(chosen, fractions, strict=True)],
+            hovertemplate="%{text}<extra></extra>",
+        )
+    fig.add_vline(x=ridge, line={"dash": "dot", "color": "#6b7280"})
+    fig.add_annotation(
+        x=math.log10(ridge),
+        y=math.log10(peak),
+        text=f"ridge {ridge:.3g} FLOP/B",
+        showarrow=False,
+        yshift=12,
+        font={"size": 11, "color": "#374151"},
+    )
+    fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOP / byte moved)")
+    fig.update_yaxes(type="log", title_text="FLOP/s", exponentformat="SI")
+    kind = "measured" if ceilings.measured else "datasheet"
+    title = (
+        f"{ceilings.name} ({kind}, {dtype}): peak {fmt_si(peak, 'FLOP/s')}, "
+        f"bandwidth {fmt_si(ceilings.bandwidth_bytes_per_s, 'B/s')}"
+    )
+    return base_layout(fig, title, height=460)

@@ -1,0 +1,1 @@
+"""The logic behind the tabs: plain Python, testable without a browser."""

@@ -1,0 +1,258 @@
+"""KV-cache calculator: 2 x layers x kv_heads x head_dim x seq_len x batch x bytes, with model
+presets, MHA / GQA / MQA variants, GPU memory presets, and the loaded engine's real pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.telemetry.cost import kv_cache_bytes, max_concurrency
+from playground.engine_info import EngineInfo
+from playground.figures.style import fmt_bytes
+
+GB = 1e9  # datasheets count memory in decimal gigabytes
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    num_params: float  # for the weights bar
+
+    @property
+    def attention(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+
+# Shapes from the models' published config.json files.
+MODEL_PRESETS = {
+    p.name: p
+    for p in (
+        ModelPreset("Llama-2-7B (MHA)", 32, 32, 32, 128, 6.74e9),
+        ModelPreset("Llama-3-8B (GQA)", 32, 32, 8, 128, 8.03e9),
+        ModelPreset("Mistral-7B (GQA)", 32, 32, 8, 128, 7.24e9),
+        ModelPreset("Llama-3-70B (GQA)", 80, 64, 8, 128, 70.6e9),
+    )
+}
+LOADED_MODEL = "the loaded model"
+
+# Device memory, datasheet values in GB (1e9 bytes).
+GPU_MEMORY_GB = {
+    "A100 80GB": 80,
+    "H100 SXM 80GB": 80,
+    "H200 141GB": 141,
+    "L4 24GB": 24,
+    "RTX 4090 24GB": 24,
+}
+BYTES_PER_ELEMENT = {
+    "fp32 (4 B)": 4.0,
+    "bf16 / fp16 (2 B)": 2.0,
+    "fp8 / int8 (1 B)": 1.0,
+    "int4 (0.5 B)": 0.5,
+}
+VARIANTS = ("as the model", "MHA", "GQA", "MQA")
+TABLE_BATCH_SIZES = (1, 8, 16, 32, 64, 128, 256)
+TABLE_CONTEXT_LENS = (512, 2048, 4096, 8192, 32768, 131072)
+
+
+def loaded_preset(info: EngineInfo) -> ModelPreset:
+    s = info.shape
+    return ModelPreset(
+        f"{info.model_name} (loaded)",
+        s.num_layers,
+        s.num_heads,
+        s.num_kv_heads,
+        s.head_dim,
+        float(s.num_params),
+    )
+
+
+def preset_names(with_loaded: bool = True) -> list[str]:
+    """The model choices; no "loaded model" without an engine (remote mode)."""
+    return [*MODEL_PRESETS, LOADED_MODEL] if with_loaded else list(MODEL_PRESETS)
+
+
+def remote_pool_markdown(base_url: str) -> str:
+    """Remote mode: why the engine's real allocation is not beside the formula."""
+    return (
+        "**The loaded engine's real KV pool needs our engine.** Beside the formula, local mode "
+        "shows the pool our engine allocated (`EngineStats.kv_cache_bytes`); a remote OpenAI "
+        f"server (here `{base_url}`) does not report its KV pool over the API. The formula and "
+        "the presets above work the same."
+    )
+
+
+def resolve_preset(name: str, info: EngineInfo | None) -> ModelPreset:
+    if name == LOADED_MODEL:
+        if info is None:
+            raise ValueError("model: no engine is loaded")
+        return loaded_preset(info)
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"model: unknown preset {name!r}")
+    return MODEL_PRESETS[name]
+
+
+def variant_kv_heads(preset: ModelPreset, variant: str) -> int:
+    """KV heads under an attention variant: MHA one per query head, MQA one in all, GQA the
+    model's own groups (or heads / 4 for an MHA model)."""
+    if variant == "MHA":
+        return preset.num_heads
+    if variant == "MQA":
+        return 1
+    if variant == "GQA":
+        if 1 < preset.num_kv_heads < preset.num_heads:
+            return preset.num_kv_heads
+        return max(2, preset.num_heads // 4)
+    if variant == "as the model":
+        return preset.num_kv_heads
+    raise ValueError(f"attention variant: one of {', '.join(VARIANTS)}, got {variant!r}")
+
+
+@dataclass(frozen=True)
+class KVInputs:
+    preset: ModelPreset
+    num_kv_heads: int
+    seq_len: int  # tokens per request
+    batch_size: int  # requests
+    kv_bytes: float  # per K or V element
+    weight_bytes: float  # per parameter
+    gpu: str
+    memory_fraction: float  # of device memory the server may use (vLLM's 0.9)
+
+    @property
+    def weights_bytes(self) -> float:
+        return self.preset.num_params * self.weight_bytes
+
+    @property
+    def usable_bytes(self) -> float:
+        return GPU_MEMORY_GB[self.gpu] * GB * self.memory_fraction
+
+    def kv(self, seq_len: int | None = None, batch_size: int | None = None) -> int:
+        p = self.preset
+        return kv_cache_bytes(
+            p.num_layers,
+            self.num_kv_heads,
+            p.head_dim,
+            self.seq_len if seq_len is None else seq_len,
+            self.batch_size if batch_size is None else batch_size,
+            self.kv_bytes,
+        )
+
+    def max_requests(self, seq_len: int | None = None) -> int:
+        """Requests of seq_len tokens whose whole KV fits beside the weights."""
+        free = int(self.usable_bytes - self.weights_bytes)
+        if free <= 0:
+            return 0
+        p = self.preset
+        return max_concurrency(
+            free,
+            p.num_layers,
+            self.num_kv_heads,
+            p.head_dim,
+            self.seq_len if seq_len is None else seq_len,
+            self.kv_bytes,
+        )
+
+
+def parse_inputs(
+    preset_name: str,
+    variant: str,
+    seq_len: float | None,
+    batch_size: float | None,
+    kv_dtype: str,
+    weight_dtype: str,
+    gpu: str,
+    memory_fraction: float | None,
+    info: EngineInfo | None,
+) -> KVInputs:
+    """Form values -> KVInputs; raises ValueError naming the field."""
+    preset = resolve_preset(preset_name, info)
+    for name, value in (("context length", seq_len), ("batch size", batch_size)):
+        if value is None or value != int(value) or value < 1:
+            raise ValueError(f"{name}: must be a positive whole number, got {value!r}")
+    if kv_dtype not in BYTES_PER_ELEMENT or weight_dtype not in BYTES_PER_ELEMENT:
+        raise ValueError("dtype: pick one of the listed element sizes")
+    if gpu not in GPU_MEMORY_GB:
+        raise ValueError(f"GPU: unknown preset {gpu!r}")
+    if memory_fraction is None or not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory fraction: must be in (0, 1], got {memory_fraction!r}")
+    return KVInputs(
+        preset,
+        variant_kv_heads(preset, variant),
+        int(seq_len),
+        int(batch_size),
+        BYTES_PER_ELEMENT[kv_dtype],
+        BYTES_PER_ELEMENT[weight_dtype],
+        gpu,
+        float(memory_fraction),
+    )
+
+
+def formula_markdown(x: KVInputs) -> str:
+    p = x.preset
+    per_token = x.kv(seq_len=1, batch_size=1)
+    total = x.kv()
+    kind = "MHA" if x.num_kv_heads == p.num_heads else "MQA" if x.num_kv_heads == 1 else "GQA"
+    fits = x.max_requests()
+    verdict = (
+        f"**{fits}** requests of {x.seq_len:,} tokens fit in {x.gpu} "
+        f"({x.memory_fraction:.0%} of {GPU_MEMORY_GB[x.gpu]} GB, minus "
+        f"{x.weights_bytes / GB:.1f} GB of weights)"
+        if fits
+        else f"the weights alone ({x.weights_bytes / GB:.1f} GB) do not fit in {x.gpu}"
+    )
+    return (
+        f"**KV bytes = 2 (K and V) x layers x kv_heads x head_dim x seq_len x batch x bytes**\n\n"
+        f"= 2 x {p.num_layers} x {x.num_kv_heads} ({kind}, {p.num_heads} query heads) x "
+        f"{p.head_dim} x {x.seq_len:,} x {x.batch_size} x {x.kv_bytes:g} B "
+        f"= **{total:,} B** ({total / GB:.3f} GB, {fmt_bytes(total)})\n\n"
+        f"Per token: {per_token:,} B ({fmt_bytes(per_token)}) · per request of {x.seq_len:,} "
+        f"tokens: {fmt_bytes(x.kv(batch_size=1))}\n\n"
+        f"Max concurrency = floor((memory x fraction - weights) / KV per request): {verdict}."
+    )
+
+
+def table_rows(x: KVInputs) -> tuple[list[str], list[list[str]]]:
+    """KV GB for batch sizes (rows) x context lengths (columns); '✗' where KV + weights do
+    not fit the usable memory."""
+    headers = ["batch \\ context", *(f"{n:,}" for n in TABLE_CONTEXT_LENS)]
+    rows = []
+    for b in TABLE_BATCH_SIZES:
+        row = [str(b)]
+        for n in TABLE_CONTEXT_LENS:
+            kv = x.kv(seq_len=n, batch_size=b)
+            mark = "" if kv + x.weights_bytes <= x.usable_bytes else " ✗"
+            row.append(f"{kv / GB:.2f}{mark}")
+        rows.append(row)
+    return headers, rows
+
+
+def engine_pool_markdown(info: EngineInfo, seq_len: int) -> str:
+    """The loaded engine's real KV allocation beside the formula for the same token count."""
+    s = info.shape
+    pool_tokens = info.num_kv_blocks * info.block_size
+    formula = kv_cache_bytes(
+        s.num_layers, s.num_kv_heads, s.head_dim, pool_tokens, 1, s.kv_bytes_per_element
+    )
+    check = "matches" if formula == info.kv_cache_bytes else "differs from"
+    if info.kv_layout == "contiguous":
+        per_request_blocks = -(-info.max_model_len // info.block_size)
+        fits = info.num_kv_blocks // per_request_blocks
+        how = f"contiguous: each request reserves max_model_len = {info.max_model_len} tokens"
+    else:
+        fits = pool_tokens // seq_len
+        how = f"paged: floor({pool_tokens:,} tokens / {seq_len:,})"
+    return (
+        f"**The loaded engine ({info.model_name}, {info.dtype})** allocated "
+        f"{info.num_kv_blocks:,} blocks x {info.block_size} tokens = {pool_tokens:,} tokens "
+        f"of KV: **{info.kv_cache_bytes:,} B** ({fmt_bytes(info.kv_cache_bytes)}, "
+        f"EngineStats.kv_cache_bytes).\n\n"
+        f"The formula for {pool_tokens:,} tokens: 2 x {s.num_layers} x {s.num_kv_heads} x "
+        f"{s.head_dim} x {pool_tokens:,} x 1 x {s.kv_bytes_per_element:g} B = {formula:,} B, "
+        f"which {check} the allocation.\n\n"
+        f"Requests of {seq_len:,} tokens that fit at once: **{fits}** ({how})."
+    )

@@ -1,0 +1,1 @@
+"""Remote mode: the playground over any OpenAI-compatible server."""
