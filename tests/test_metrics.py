@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 
 import numpy as np
 import pytest
@@ -195,29 +197,67 @@ def test_ring_buffer_bound_and_clear():
         RingBuffer(0)
 
 
+class _SlowDeque(deque):
+    """A deque that gives up the GIL inside every append and while being copied. CPython's
+    deque does each in one C call under the GIL, which hides a missing lock; this one makes an
+    unlocked append land in the middle of a copy ("deque mutated during iteration")."""
+
+    def __init__(self, maxlen: int) -> None:
+        super().__init__(maxlen=maxlen)
+        self.num_appends = 0
+        self.num_copies = 0
+
+    def append(self, item) -> None:
+        time.sleep(0)
+        super().append(item)
+        self.num_appends += 1
+
+    def __iter__(self):
+        self.num_copies += 1
+        for item in super().__iter__():
+            time.sleep(0)
+            yield item
+
+
 def test_ring_buffer_threads():
-    buf: RingBuffer[tuple[int, int]] = RingBuffer(100)
-    num_writers, per_writer = 4, 2000
+    capacity = 100
+    buf: RingBuffer[tuple[int, int]] = RingBuffer(capacity)
+    slow = buf._items = _SlowDeque(capacity)  # white box: widens the windows the lock closes
+    num_writers, per_writer = 4, 500
     snapshots_ok = []
+    errors: list[BaseException] = []
 
     def write(w: int) -> None:
-        for i in range(per_writer):
-            buf.append((w, i))
+        try:
+            for i in range(per_writer):
+                buf.append((w, i))
+        except BaseException as e:
+            errors.append(e)
 
     def read() -> None:
-        for _ in range(200):
-            snap = buf.snapshot()
-            snapshots_ok.append(len(snap) <= 100)
+        try:
+            for _ in range(20):
+                snap = buf.snapshot()
+                # Each writer's items appear in order: a copy never sees a half-done append.
+                in_order = all(
+                    [i for ww, i in snap if ww == w] == sorted(i for ww, i in snap if ww == w)
+                    for w in range(num_writers)
+                )
+                snapshots_ok.append(len(snap) <= capacity and in_order)
+        except BaseException as e:  # an unlocked copy raises "deque mutated during iteration"
+            errors.append(e)
 
     threads = [threading.Thread(target=write, args=(w,)) for w in range(num_writers)]
-    threads.append(threading.Thread(target=read))
+    threads += [threading.Thread(target=read) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert not errors, errors[:3]
+    assert slow.num_appends == num_writers * per_writer and slow.num_copies >= 40
     assert buf.total_appended == num_writers * per_writer
-    assert len(buf) == 100
-    assert all(snapshots_ok)
+    assert len(buf) == capacity
+    assert len(snapshots_ok) == 40 and all(snapshots_ok)
     # Each writer's items stay in order within the kept window.
     for w in range(num_writers):
         mine = [i for ww, i in buf.snapshot() if ww == w]
