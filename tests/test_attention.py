@@ -8,8 +8,9 @@ import itertools
 import pytest
 import torch
 
-from engine.runner.attention.base import AttentionMetadata, DecodeGroup
 from engine.runner.attention.torch_backend import (
+    DecodeGroup,
+    TorchAttentionMetadata,
     gather_rows,
     split_by_length,
     store_rows,
@@ -60,8 +61,7 @@ def test_decode_matches_reference(dtype, tol):
     expected = paged_attention_decode_ref(q, *kernel_cache, tables.int(), lens, scale)
 
     pos = torch.arange(tables.shape[1] * BLOCK_SIZE)
-    meta = AttentionMetadata(
-        backend="torch",
+    meta = TorchAttentionMetadata(
         slot_mapping=slots,
         num_decode_tokens=batch,
         store_index=store_rows(slots, NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE),
@@ -101,8 +101,8 @@ def test_chunked_prefill_matches_reference(dtype, tol):
         q, *kernel_cache, tables.int(), torch.tensor(seq_lens, dtype=torch.int32), starts, scale
     )
     chunk_rows = gather_rows(tables[1, : -(-70 // BLOCK_SIZE)], NUM_KV_HEADS, NUM_BLOCKS)
-    meta = AttentionMetadata(
-        backend="torch", slot_mapping=slots, num_decode_tokens=0, prefill_q_lens=q_lens,
+    meta = TorchAttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=0, prefill_q_lens=q_lens,
         prefill_ctx_lens=seq_lens, prefill_gather_index=[None, chunk_rows],
         store_index=store_rows(slots, NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE),
     )  # fmt: skip

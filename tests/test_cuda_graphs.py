@@ -42,9 +42,10 @@ class RerunGraphRunner(CudaGraphRunner):
         # live-looking garbage (real slots, long lengths) before each step.
         generator = torch.Generator().manual_seed(sum(self.replays.values()))
         num_slots = self.kv_caches[0][0].shape[0] * self.kv_caches[0][0].shape[1]
+        attn = self.attn_buffers
         for buffer, high in ((self.input_ids, 1000), (self.positions, 32),
-                             (self.slot_mapping, num_slots), (self.seq_lens, 32),
-                             (self.block_tables, self.kv_caches[0][0].shape[0])):  # fmt: skip
+                             (attn.slot_mapping, num_slots), (attn.seq_lens, 32),
+                             (attn.block_tables, self.kv_caches[0][0].shape[0])):  # fmt: skip
             buffer.copy_(torch.randint(high, buffer.shape, generator=generator))
         return super().run(*args, **kwargs)
 
@@ -64,7 +65,9 @@ def test_graph_runner_buffers_and_padding_keep_tokens_on_cpu():
     llm = LLM(**common)
     runner = llm.engine.runner
     assert runner.graph_runner is None  # CPU: no real graphs
-    graphs = RerunGraphRunner(runner.model, runner.kv_caches, 8, runner.max_model_len, 8)
+    graphs = RerunGraphRunner(
+        runner.model, runner.attn_backend, runner.kv_caches, 8, runner.max_model_len
+    )
     graphs.capture()
     runner.graph_runner = graphs
     out = llm.generate(prompts, params)

@@ -19,7 +19,7 @@ def test_triton_backend_matches_torch_backend():
     )  # fmt: skip
     torch_out = LLM(attention_backend="torch", **common).generate(PROMPTS, params)
     triton_llm = LLM(attention_backend="triton", **common)
-    assert triton_llm.engine.runner.backend == "triton"
+    assert triton_llm.engine.runner.attn_backend.name == "triton"
     triton_out = triton_llm.generate(PROMPTS, params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
     assert any(s.kind == "mixed" for s in triton_llm.stats().steps)

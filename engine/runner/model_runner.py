@@ -6,8 +6,8 @@ new tokens + context blocks); nothing is rebuilt per layer.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -20,8 +20,8 @@ from engine.core.detokenizer import token_slice
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.spec_decode import verify
 from engine.request import Request, SamplingParams
-from engine.runner.attention.base import AttentionMetadata, DecodeGroup, kv_cache_shape
-from engine.runner.attention.torch_backend import gather_rows, split_by_length, store_rows
+from engine.runner.attention import default_backend_name, get_backend
+from engine.runner.attention.base import AttentionBackend, AttentionInputs
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.llama import LlamaForCausalLM
@@ -53,9 +53,24 @@ class KVCacheSpec:
     block_size: int  # tokens per block
     bytes_per_block: int  # K and V, all layers
 
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's requests packed decode-first, as host lists (tensors are made per path)."""
+
+    requests: list[ScheduledRequest]  # decodes (one new token each) first, then the rest
+    num_decodes: int
+    input_ids: list[int]  # [T]: each request's new tokens, then its draft tokens
+    positions: list[int]  # [T]
+    slots: list[int]  # [T] KV slot of each new token
+
     @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+    def decodes(self) -> list[ScheduledRequest]:
+        return self.requests[: self.num_decodes]
+
+    @property
+    def prefills(self) -> list[ScheduledRequest]:
+        return self.requests[self.num_decodes :]
 
 
 class ModelRunner:
@@ -66,46 +81,48 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_model_len = max_model_len
         self.block_size = config.block_size
-        self.backend = self._resolve_backend(config.attention_backend)
+        self.attn_backend = self._make_backend(config.attention_backend)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self._generators: dict[str, torch.Generator] = {}
         self._seed_rng = random.Random(config.seed)
-        self._gather_workspace: torch.Tensor | None = None
         self.graph_runner: CudaGraphRunner | None = None
         self.model = self._load_model(source)
         self.kv_spec = self._plan_kv_cache()
-        arch = self.arch
         # One tensor for all layers: [layers, 2 (K, V), *per-layer layout of the backend].
         self.kv_cache = torch.zeros(
-            arch.num_layers, 2, *self._layer_kv_shape(self.kv_spec.num_blocks),
+            self.arch.num_layers, 2, *self.attn_backend.kv_cache_shape(self.kv_spec.num_blocks),
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
         self.kv_caches = [
-            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(arch.num_layers)
+            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)
         ]
-        if self.device.type == "cuda" and self.backend == "triton" and not config.enforce_eager:
+        if self._use_cuda_graphs():
             self.graph_runner = CudaGraphRunner(
-                self.model, self.kv_caches, config.max_num_seqs, max_model_len, self.block_size
+                self.model, self.attn_backend, self.kv_caches, config.max_num_seqs, max_model_len
             )
             self.graph_runner.capture()
 
     # --- set-up ---
-    def _resolve_backend(self, backend: str) -> str:
-        if backend == "auto":
-            return "triton" if self.device.type == "cuda" else "torch"
-        return backend
-
-    def _layer_kv_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+    def _make_backend(self, name: str) -> AttentionBackend:
+        if name == "auto":
+            name = default_backend_name(self.device.type)
         arch = self.arch
-        return kv_cache_shape(
-            self.backend, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim
+        return get_backend(name)(
+            arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype, self.device
+        )
+
+    def _use_cuda_graphs(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and self.attn_backend.supports_cuda_graphs
+            and not self.config.enforce_eager
         )
 
     def _load_model(self, source: ModelSource) -> LlamaForCausalLM:
         # Built on the meta device, then materialized: no time spent on throw-away init.
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.arch, max_positions=self.max_model_len)
+            model = LlamaForCausalLM(self.arch, self.max_model_len, self.attn_backend)
         model = model.to_empty(device=self.device).to(self.dtype)
         if source.weights_dir is None:
             _init_random_weights(model, seed=self.config.seed)
@@ -115,11 +132,9 @@ class ModelRunner:
         return model.eval().requires_grad_(False)
 
     def _plan_kv_cache(self) -> KVCacheSpec:
-        arch = self.arch
-        bytes_per_block = (
-            2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * self.block_size
-            * self.dtype.itemsize
-        )  # fmt: skip
+        # K and V of every layer, in the backend's own layout.
+        elements_per_block = math.prod(self.attn_backend.kv_cache_shape(1))
+        bytes_per_block = 2 * self.arch.num_layers * elements_per_block * self.dtype.itemsize
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -156,7 +171,7 @@ class ModelRunner:
             Request("profile", [0] * num_tokens, _PROFILE_PARAMS, arrival_time=0.0),
             num_tokens, list(range(num_blocks)),
         )  # fmt: skip
-        shape = self._layer_kv_shape(num_blocks)
+        shape = self.attn_backend.kv_cache_shape(num_blocks)
         saved = getattr(self, "kv_caches", None)
         self.kv_caches = [
             tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
@@ -171,15 +186,24 @@ class ModelRunner:
                 self.kv_caches = saved
             self.release("profile")
 
-    # --- per step ---
+    # --- per step: prepare inputs -> forward -> logit rows -> sample / verify ---
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Run one step; returns the new tokens of every request that reached its end: one,
         or with speculative drafts the accepted ones plus one (engine/core/spec_decode.py)."""
+        step = self._prepare_inputs(out)
+        with torch.inference_mode():
+            hidden = self._forward(step)
+            picks, rows = self._logit_rows(step)
+            if not rows:
+                return {}
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            return self._sample_and_verify(logits, picks)
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-        if self.backend == "torch":  # by context length, for split_by_length's groups
+        if self.attn_backend.sort_decodes_by_length:
             decodes.sort(key=lambda s: s.request.num_computed_tokens)
-        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
+        ordered = decodes + [s for s in out.scheduled if s.num_new_tokens > 1]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -188,129 +212,78 @@ class ModelRunner:
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
             input_ids.extend(token_slice(s.request, start, end))
-            input_ids.extend(s.request.draft_token_ids[: s.num_draft_tokens])
+            input_ids.extend(_draft_ids(s))  # drafts sit past the known tokens
             positions.extend(range(start, end))
-            table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, end))
+        return StepInputs(ordered, len(decodes), input_ids, positions, slots)
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The model over the step's tokens: hidden states [T, hidden]."""
+        decodes = step.decodes
+        graphs = self.graph_runner
+        if not step.prefills and graphs and graphs.can_run(len(decodes)):
+            return graphs.run(
+                step.input_ids, step.positions, step.slots, [s.block_table for s in decodes],
+                [s.request.num_computed_tokens + 1 for s in decodes],
+            )  # fmt: skip
         dev = self.device
-        with torch.inference_mode():
-            if not prefills and self.graph_runner and self.graph_runner.can_run(len(decodes)):
-                hidden = self.graph_runner.run(
-                    input_ids, positions, slots, [s.block_table for s in decodes],
-                    [s.request.num_computed_tokens + 1 for s in decodes],
-                )  # fmt: skip
-            else:
-                meta = self._build_metadata(decodes, prefills, torch.tensor(slots, device=dev))
-                hidden = self.model(
-                    torch.tensor(input_ids, device=dev),
-                    torch.tensor(positions, device=dev),
-                    self.kv_caches,
-                    meta,
-                )
-            # Only the last token of each request that reached its end is turned into logits,
-            # plus, for a request verifying drafts, the rows of its drafts.
-            rows, samplers, verifiers = [], [], []
-            offset = 0
-            for s in ordered:
-                offset += s.num_new_tokens
-                if s.num_draft_tokens:
-                    verifiers.append((s, len(rows)))
-                    rows.extend(range(offset - s.num_draft_tokens - 1, offset))
-                elif s.samples:
-                    samplers.append((s.request, len(rows)))
-                    rows.append(offset - 1)
-            if not rows:
-                return {}
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
-            new_tokens: dict[str, list[int]] = {}
-            if samplers:
-                requests = [r for r, _ in samplers]
-                tokens = sample(
-                    logits[torch.tensor([row for _, row in samplers], device=dev)],
-                    [r.params for r in requests],
-                    [self._generator(r) for r in requests],
-                    [_penalty_history(r) for r in requests],
-                )  # fmt: skip
-                new_tokens = {r.request_id: [t] for r, t in zip(requests, tokens, strict=True)}
-            for s, first in verifiers:
-                r = s.request
-                drafts = r.draft_token_ids[: s.num_draft_tokens]
+        meta = self.attn_backend.build_metadata(self._attention_inputs(step), self.kv_caches)
+        return self.model(
+            torch.tensor(step.input_ids, device=dev),
+            torch.tensor(step.positions, device=dev),
+            self.kv_caches,
+            meta,
+        )
+
+    def _attention_inputs(self, step: StepInputs) -> AttentionInputs:
+        decodes, prefills = step.decodes, step.prefills
+        return AttentionInputs(
+            slot_mapping=torch.tensor(step.slots, device=self.device),
+            decode_seq_lens=[s.request.num_computed_tokens + 1 for s in decodes],
+            decode_block_tables=[s.block_table for s in decodes],
+            prefill_q_lens=[s.num_new_tokens for s in prefills],
+            prefill_ctx_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in prefills],
+            prefill_block_tables=[s.block_table for s in prefills],
+        )
+
+    @staticmethod
+    def _logit_rows(step: StepInputs) -> tuple[list[tuple[ScheduledRequest, int]], list[int]]:
+        """Which hidden rows become logits: the last token of each request that reached its
+        end, plus, for a request verifying drafts, the rows of its drafts. Returns each such
+        request with its first row in the logits, and the hidden rows."""
+        picks: list[tuple[ScheduledRequest, int]] = []
+        rows: list[int] = []
+        end = 0  # one past the request's last token in the packed batch
+        for s in step.requests:
+            end += s.num_new_tokens
+            if s.num_draft_tokens or s.samples:
+                picks.append((s, len(rows)))
+                rows.extend(range(end - s.num_draft_tokens - 1, end))
+        return picks, rows
+
+    def _sample_and_verify(
+        self, logits: torch.Tensor, picks: list[tuple[ScheduledRequest, int]]
+    ) -> dict[str, list[int]]:
+        """One sampled token per request without drafts; verified drafts (+1) for the rest."""
+        samplers = [(s.request, row) for s, row in picks if not s.num_draft_tokens]
+        new_tokens: dict[str, list[int]] = {}
+        if samplers:
+            requests = [r for r, _ in samplers]
+            tokens = sample(
+                logits[torch.tensor([row for _, row in samplers], device=self.device)],
+                [r.params for r in requests],
+                [self._generator(r) for r in requests],
+                [_penalty_history(r) for r in requests],
+            )  # fmt: skip
+            new_tokens = {r.request_id: [t] for r, t in zip(requests, tokens, strict=True)}
+        for s, first in picks:
+            if s.num_draft_tokens:
+                r, drafts = s.request, _draft_ids(s)
                 new_tokens[r.request_id] = verify(
                     logits[first : first + len(drafts) + 1], drafts, r.params,
                     self._generator(r), _penalty_history(r),
                 )  # fmt: skip
         return new_tokens
-
-    def _build_metadata(
-        self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest], slot_mapping
-    ) -> AttentionMetadata:
-        dev, bs = self.device, self.block_size
-        meta = AttentionMetadata(
-            backend=self.backend, slot_mapping=slot_mapping, num_decode_tokens=len(decodes)
-        )
-        for s in prefills:
-            meta.prefill_q_lens.append(s.num_new_tokens)
-            meta.prefill_ctx_lens.append(s.request.num_computed_tokens + s.num_new_tokens)
-        if self.backend == "torch":
-            self._add_torch_indices(meta, decodes, prefills)
-            return meta
-        if decodes:
-            seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
-            meta.decode_block_tables = _pad_tables(
-                [s.block_table for s in decodes], cdiv(max(seq_lens), bs), dev
-            )
-            meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        if prefills:
-            ctx_lens = meta.prefill_ctx_lens
-            meta.prefill_block_tables = _pad_tables(
-                [s.block_table for s in prefills], cdiv(max(ctx_lens), bs), dev
-            )
-            meta.prefill_seq_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
-            starts = [0, *itertools.accumulate(meta.prefill_q_lens)]
-            meta.prefill_query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
-        return meta
-
-    def _add_torch_indices(
-        self, meta: AttentionMetadata, decodes: list[ScheduledRequest],
-        prefills: list[ScheduledRequest],
-    ) -> None:  # fmt: skip
-        """Cache rows for the torch backend's head-major layout (see attention_torch.py)."""
-        dev, bs = self.device, self.block_size
-        num_kv_heads = self.arch.num_kv_heads
-        num_blocks = self.kv_caches[0][0].shape[1]  # head-major [Hkv, blocks, bs, D]
-        meta.store_index = store_rows(meta.slot_mapping, num_kv_heads, num_blocks * bs)
-        most_rows = 0  # the largest gather of the step sizes the workspace
-        seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
-        for start, end in split_by_length(seq_lens) if decodes else []:
-            width = cdiv(seq_lens[end - 1], bs)  # blocks of the group's longest context
-            tables = _pad_tables([s.block_table for s in decodes[start:end]], width, dev)
-            pos = torch.arange(width * bs, device=dev)
-            lens = torch.tensor(seq_lens[start:end], device=dev)
-            group = DecodeGroup(
-                start, end, gather_rows(tables.flatten().long(), num_kv_heads, num_blocks),
-                pos[None, :] < lens[:, None],
-            )  # fmt: skip
-            meta.decode_groups.append(group)
-            most_rows = max(most_rows, group.gather_index.numel())
-        for s, ctx_len in zip(prefills, meta.prefill_ctx_lens, strict=True):
-            rows = None
-            if ctx_len > s.num_new_tokens:
-                table = s.block_table[: cdiv(ctx_len, bs)]
-                block_ids = torch.tensor(table, dtype=torch.long, device=dev)
-                rows = gather_rows(block_ids, num_kv_heads, num_blocks)
-                most_rows = max(most_rows, rows.numel())
-            meta.prefill_gather_index.append(rows)
-        if most_rows:
-            meta.workspace = self._workspace(most_rows * bs * self.arch.head_dim)
-
-    def _workspace(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Grow-only scratch for `numel` gathered K and V elements each (torch backend)."""
-        if self._gather_workspace is None or self._gather_workspace.shape[1] < numel:
-            self._gather_workspace = torch.empty(
-                2, max(numel, 2 * getattr(self._gather_workspace, "shape", (0, 0))[1]),
-                dtype=self.dtype, device=self.device,
-            )  # fmt: skip
-        return self._gather_workspace[0], self._gather_workspace[1]
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.params.greedy:
@@ -339,9 +312,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
 
-def _pad_tables(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
-    rows = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+def _draft_ids(scheduled: ScheduledRequest) -> list[int]:
+    """The speculative tokens this step verifies for the request (the one place they are read)."""
+    return scheduled.request.draft_token_ids[: scheduled.num_draft_tokens]
 
 
 def _init_random_weights(model: LlamaForCausalLM, seed: int) -> None:

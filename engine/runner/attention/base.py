@@ -1,99 +1,131 @@
-"""AttentionMetadata and the attention backends over the paged KV cache.
+"""The attention backend interface, and what every backend's metadata holds in common.
 
 A token at position p of a request lives in slot block_table[p // block_size] * block_size
-+ p % block_size. The per-layer cache layout depends on the backend:
-  triton: [num_blocks, block_size, num_kv_heads, head_dim]  (the kernels' layout)
-  torch:  [num_kv_heads, num_blocks, block_size, head_dim]  (head-major: one gather yields
-          [kv_heads, batch, context, head_dim], which batched matmuls take with no copy)
++ p % block_size. Each backend chooses its per-layer cache layout (`kv_cache_shape`), turns
+the step's `AttentionInputs` into its own `AttentionMetadata` subclass once per step, and runs
+store + attention per layer (`forward`). Backends never see scheduler types: the model runner
+hands them plain lists, so a new backend (quantized KV, a fast CPU path) needs no runner change.
 
 Tokens of a step are packed decode-first: the first `num_decode_tokens` tokens belong to
 requests with exactly one new token (decodes), the rest to requests with several (prefills,
-whole or chunked), in request order.
+whole or chunked, and decodes verifying drafts), in request order.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from engine.runner.attention.torch_backend import torch_attention
-
-
-def kv_cache_shape(
-    backend: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-) -> tuple[int, int, int, int]:
-    if backend == "torch":
-        return (num_kv_heads, num_blocks, block_size, head_dim)
-    return (num_blocks, block_size, num_kv_heads, head_dim)
-
 
 @dataclass(frozen=True)
-class DecodeGroup:
-    """Decode requests [start, end) of the step, gathered together (torch backend)."""
+class AttentionInputs:
+    """One step's requests as attention sees them (host lists, decode-first order)."""
 
-    start: int
-    end: int
-    gather_index: torch.Tensor  # [Hkv * n * nb] cache rows: each request's nb blocks, padded
-    ctx_mask: torch.Tensor  # [n, nb * bs] bool: which gathered positions are real context
+    slot_mapping: torch.Tensor  # [T] int64 on the device: where each new token's K/V goes
+    decode_seq_lens: list[int]  # per decode request: context including its new token
+    decode_block_tables: list[list[int]]  # per decode request: its KV blocks
+    prefill_q_lens: list[int]  # per prefill request: new tokens this step
+    prefill_ctx_lens: list[int]  # per prefill request: context after this step
+    prefill_block_tables: list[list[int]]
 
 
 @dataclass
 class AttentionMetadata:
-    backend: str  # "torch" | "triton"
+    """What every backend's metadata carries; backends subclass it with their own indices."""
+
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes (-1 = padding)
     num_decode_tokens: int  # decode requests come first, one token each
-    # --- decode group (one query token per request) ---
-    decode_block_tables: torch.Tensor | None = None  # triton: [Bd, max_blocks] int32
-    decode_seq_lens: torch.Tensor | None = None  # triton: [Bd] int32, context incl. new token
-    # --- prefill group (varlen queries, causal over cached context + new tokens) ---
     prefill_q_lens: list[int] = field(default_factory=list)  # new tokens per prefill request
     prefill_ctx_lens: list[int] = field(default_factory=list)  # context after this step
-    prefill_block_tables: torch.Tensor | None = None  # triton: [Bp, max_blocks] int32
-    prefill_seq_lens: torch.Tensor | None = None  # triton: [Bp] int32
-    prefill_query_start_loc: torch.Tensor | None = None  # triton: [Bp + 1] int32, from 0
-    # --- torch backend only (indices into the head-major cache, see attention_torch.py) ---
-    store_index: torch.Tensor | None = None  # [Hkv * T] rows where the new K/V go
-    # Decode requests sorted by context length and split into groups, each padded only to
-    # its own longest context (see split_by_length).
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    # Per prefill request, [Hkv * nb] rows of its cached context; None when the whole context
-    # is new in this step (attention then reads the new K/V directly).
-    prefill_gather_index: list[torch.Tensor | None] = field(default_factory=list)
-    # Scratch for gathered K and V, reused by every layer of the step. (Fresh multi-MB
-    # tensors per layer cost more in page faults than the copy itself on CPU.)
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def paged_attention(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Store this step's K/V in the cache, then attend. Returns [T, Hq, D]."""
-    if meta.backend == "triton":
-        return _triton_attention(q, k, v, kv_cache, meta, scale)
-    return torch_attention(q, k, v, kv_cache, meta, scale)
+@dataclass(frozen=True)
+class DecodeGraphBuffers:
+    """Static inputs a captured decode graph reads; a bucket of B decodes uses the first B rows.
+
+    Padding rows must be inert in every backend that captures graphs: slot -1 stores nothing
+    and seq_len 0 attends to nothing (its output row is ignored).
+    """
+
+    slot_mapping: torch.Tensor  # [n] int64
+    block_tables: torch.Tensor  # [n, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [n] int32
+
+    @classmethod
+    def allocate(cls, n: int, max_blocks_per_seq: int, device) -> DecodeGraphBuffers:
+        return cls(
+            torch.full((n,), -1, dtype=torch.long, device=device),
+            torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device),
+            torch.zeros(n, dtype=torch.int32, device=device),
+        )
+
+    def stage(
+        self, bucket: int, slots: list[int], block_tables: list[list[int]], seq_lens: list[int]
+    ) -> None:
+        """Copy a step's B decodes into rows [0, B) and make rows [B, bucket) inert."""
+        batch = len(slots)
+        width = max(len(t) for t in block_tables)
+        # Host-side staging then one copy per buffer (pinned-free: these are tiny).
+        self.slot_mapping[:batch].copy_(torch.tensor(slots), non_blocking=True)
+        self.slot_mapping[batch:bucket].fill_(-1)
+        self.seq_lens[:batch].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
+        self.seq_lens[batch:bucket].fill_(0)
+        rows = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        self.block_tables[:batch, :width].copy_(rows, non_blocking=True)
 
 
-def _triton_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    import kernels  # imported lazily: the torch path must not need a working Triton
+class AttentionBackend(ABC):
+    """Stores a step's K/V in the paged cache and attends, for one cache layout."""
 
-    k_cache, v_cache = kv_cache
-    kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
-    nd = meta.num_decode_tokens
-    if nd:
-        kernels.paged_attention_decode(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-            out=out[:nd],
-        )  # fmt: skip
-    if meta.prefill_q_lens:
-        kernels.paged_attention_prefill(
-            q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
-            meta.prefill_query_start_loc, scale, out=out[nd:],
-        )  # fmt: skip
-    return out
+    name: ClassVar[str]
+    # Whether decode steps may be captured in CUDA graphs over `DecodeGraphBuffers` (the
+    # backend's decode path must then have shapes fixed by the batch size alone).
+    supports_cuda_graphs: ClassVar[bool] = False
+    # Whether the runner should order decode requests by context length (shortest first).
+    sort_decodes_by_length: ClassVar[bool] = False
+
+    def __init__(
+        self, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size  # tokens per KV block
+        self.dtype = dtype
+        self.device = device
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's K (and of its V) cache holding `num_blocks` blocks."""
+
+    @abstractmethod
+    def build_metadata(
+        self, inputs: AttentionInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> AttentionMetadata:
+        """Once per step, before the forward pass: everything the layers share."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store this step's K/V in the cache, then attend. Returns [T, Hq, D]."""
+
+    def graph_metadata(self, buffers: DecodeGraphBuffers, batch: int) -> AttentionMetadata:
+        """Metadata over the first `batch` rows of the static buffers (CUDA-graph capture)."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not capture graphs")
+
+
+def pad_block_tables(
+    tables: list[list[int]], width: int, device: torch.device
+) -> torch.Tensor:  # [len(tables), width] int32, rows cut or padded with block 0
+    rows = [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device)

@@ -9,13 +9,117 @@ far fewer, larger copies.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from engine.runner.attention.base import AttentionMetadata
+from engine.core.block_manager import cdiv
+from engine.runner.attention.base import (
+    AttentionBackend,
+    AttentionInputs,
+    AttentionMetadata,
+    pad_block_tables,
+)
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode requests [start, end) of the step, gathered together."""
+
+    start: int
+    end: int
+    gather_index: torch.Tensor  # [Hkv * n * nb] cache rows: each request's nb blocks, padded
+    ctx_mask: torch.Tensor  # [n, nb * bs] bool: which gathered positions are real context
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """Indices into the head-major cache, built once per step and used by every layer."""
+
+    store_index: torch.Tensor | None = None  # [Hkv * T] rows where the new K/V go
+    # Decode requests sorted by context length and split into groups, each padded only to
+    # its own longest context (see split_by_length).
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # Per prefill request, [Hkv * nb] rows of its cached context; None when the whole context
+    # is new in this step (attention then reads the new K/V directly).
+    prefill_gather_index: list[torch.Tensor | None] = field(default_factory=list)
+    # Scratch for gathered K and V, reused by every layer of the step. (Fresh multi-MB
+    # tensors per layer cost more in page faults than the copy itself on CPU.)
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+    sort_decodes_by_length = True  # split_by_length's groups need sorted context lengths
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._workspace: torch.Tensor | None = None  # [2, numel], grow-only
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+
+    def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
+        return torch_attention(q, k, v, kv_cache, meta, scale)
+
+    def build_metadata(
+        self, inputs: AttentionInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> TorchAttentionMetadata:
+        num_blocks = kv_caches[0][0].shape[1]  # head-major [Hkv, blocks, bs, D]
+        meta = TorchAttentionMetadata(
+            slot_mapping=inputs.slot_mapping,
+            num_decode_tokens=len(inputs.decode_seq_lens),
+            prefill_q_lens=inputs.prefill_q_lens,
+            prefill_ctx_lens=inputs.prefill_ctx_lens,
+            store_index=store_rows(
+                inputs.slot_mapping, self.num_kv_heads, num_blocks * self.block_size
+            ),
+        )
+        meta.decode_groups = self._decode_groups(inputs, num_blocks)
+        meta.prefill_gather_index = self._prefill_rows(inputs, num_blocks)
+        # The largest gather of the step sizes the workspace.
+        gathers = [g.gather_index for g in meta.decode_groups] + meta.prefill_gather_index
+        most_rows = max((rows.numel() for rows in gathers if rows is not None), default=0)
+        if most_rows:
+            meta.workspace = self._grow_workspace(most_rows * self.block_size * self.head_dim)
+        return meta
+
+    def _decode_groups(self, inputs: AttentionInputs, num_blocks: int) -> list[DecodeGroup]:
+        seq_lens, bs, dev = inputs.decode_seq_lens, self.block_size, self.device
+        groups = []
+        for start, end in split_by_length(seq_lens) if seq_lens else []:
+            width = cdiv(seq_lens[end - 1], bs)  # blocks of the group's longest context
+            tables = pad_block_tables(inputs.decode_block_tables[start:end], width, dev)
+            pos = torch.arange(width * bs, device=dev)
+            lens = torch.tensor(seq_lens[start:end], device=dev)
+            rows = gather_rows(tables.flatten().long(), self.num_kv_heads, num_blocks)
+            groups.append(DecodeGroup(start, end, rows, pos[None, :] < lens[:, None]))
+        return groups
+
+    def _prefill_rows(self, inputs: AttentionInputs, num_blocks: int) -> list[torch.Tensor | None]:
+        rows: list[torch.Tensor | None] = []
+        for table, q_len, ctx_len in zip(
+            inputs.prefill_block_tables, inputs.prefill_q_lens, inputs.prefill_ctx_lens,
+            strict=True,
+        ):  # fmt: skip
+            if ctx_len <= q_len:  # the whole context is new: nothing to gather
+                rows.append(None)
+                continue
+            block_ids = torch.tensor(
+                table[: cdiv(ctx_len, self.block_size)], dtype=torch.long, device=self.device
+            )
+            rows.append(gather_rows(block_ids, self.num_kv_heads, num_blocks))
+        return rows
+
+    def _grow_workspace(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for `numel` gathered K and V elements each; at least doubles when it grows."""
+        if self._workspace is None or self._workspace.shape[1] < numel:
+            old_numel = 0 if self._workspace is None else self._workspace.shape[1]
+            self._workspace = torch.empty(
+                2, max(numel, 2 * old_numel), dtype=self.dtype, device=self.device
+            )
+        return self._workspace[0], self._workspace[1]
 
 
 def store_rows(slots: torch.Tensor, num_kv_heads: int, num_slots: int) -> torch.Tensor:
@@ -62,7 +166,7 @@ def gather_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> 
     return (heads + block_ids[None, :]).flatten()
 
 
-def torch_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def torch_attention(q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
     k_cache, v_cache = kv_cache
     num_kv_heads, _, _, head_dim = k_cache.shape
     # [T, Hkv, D] -> [Hkv * T, D] rows, one index_copy per cache.

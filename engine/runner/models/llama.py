@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM) in plain torch over a paged KV cache.
 
 Tokens of all requests in a step are packed into one flat batch of T tokens; attention finds
-each token's request and context through `AttentionMetadata` (see engine/runner/attention/base.py).
+each token's request and context through the step's `AttentionMetadata`, built and consumed by
+the attention backend the model was made with (see engine/runner/attention/base.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.runner.attention.base import AttentionMetadata, paged_attention
+from engine.runner.attention.base import AttentionBackend, AttentionMetadata
 from engine.runner.models.arch import ModelArch, rope_inv_freq
 
 
@@ -37,8 +38,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend) -> None:
         super().__init__()
+        self.attn_backend = attn_backend  # shared by all layers; holds no parameters
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -63,7 +65,7 @@ class LlamaAttention(nn.Module):
         qk = apply_rope(qk, cos, sin)  # q and k rotated in one go
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, heads, D]
+        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -80,10 +82,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch)
+        self.self_attn = LlamaAttention(arch, attn_backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
 
@@ -93,11 +95,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, max_positions: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, attn_backend) for _ in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if arch.tie_word_embeddings:
             self.lm_head = None
