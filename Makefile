@@ -1,5 +1,7 @@
 # The README's two commands: `make run` and `make test`. Both install what is missing first
 # and are quick when everything is already there (a stamp file tracks pyproject.toml).
+# Also: `make test-fast` (no slow or browser tests), `make screenshots` (retakes the
+# README's assets/screenshots/*.png through the browser tests; `make test` leaves them alone).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,13 +9,21 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test setup setup-dev browser lint format bench bench-prefix bench-spec gpu-check clean
+.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-prefix bench-spec gpu-check clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
 
 test: setup-dev browser
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(ARGS)
+
+# The quick tier while editing: everything but the tests marked slow (> ~5 s) or browser.
+test-fast: setup-dev
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow and not browser" $(ARGS)
+
+# The browser tests write the tracked screenshots only when asked to.
+screenshots: setup-dev browser
+	UPDATE_SCREENSHOTS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_browser.py $(ARGS)
 
 setup: $(STAMP)
 

@@ -1,6 +1,7 @@
 """The playground in a real browser: Debian's Chromium driven by Playwright against the app
-launched in-process with the embedded model. Saves a screenshot of each tab to
-assets/screenshots/<tab>.png.
+launched in-process with the embedded model. Takes a screenshot of each tab: into
+assets/screenshots/<tab>.png (the README's) only with UPDATE_SCREENSHOTS=1 (`make screenshots`),
+else into a temporary folder, so `make test` leaves the tracked PNGs alone.
 
 Needs /usr/bin/chromium (`apt-get install chromium`); never downloads a browser.
 """
@@ -25,6 +26,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "assets" / "screenshots"
+UPDATE_SCREENSHOTS = os.environ.get("UPDATE_SCREENSHOTS") == "1"
 NUM_KV_BLOCKS = 256
 
 if not os.path.exists(CHROMIUM):
@@ -82,9 +84,19 @@ def open_tab(page, name: str) -> None:
     page.get_by_role("tab", name=name, exact=True).click()
 
 
-def shot(page, name: str) -> None:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+@pytest.fixture(scope="module")
+def shot(tmp_path_factory):
+    """shot(page, name) saves a full-page screenshot. Taken on every run (a page that cannot
+    render fails here too); the tracked ones are overwritten only when asked."""
+    folder = SCREENSHOTS if UPDATE_SCREENSHOTS else tmp_path_factory.mktemp("screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def save(page, name: str) -> None:
+        path = folder / f"{name}.png"
+        page.screenshot(path=str(path), full_page=True)
+        assert path.stat().st_size > 0, path
+
+    return save
 
 
 def set_number(page, tab_id: str, label: str, value: object, nth: int = 0) -> None:
@@ -110,7 +122,7 @@ def used_blocks(summary: str) -> int:
     return int(re.search(r"KV blocks used: (\d+) /", summary).group(1))
 
 
-def test_chat_streams_and_the_block_map_follows_the_request(page):
+def test_chat_streams_and_the_block_map_follows_the_request(page, shot):
     set_number(page, "tab-chat", "number input for Max new tokens", 64)
     page.fill("#chat-input textarea", "Tell me a short story about a cat.")
     page.click("#chat-send")
@@ -148,7 +160,7 @@ def test_chat_streams_and_the_block_map_follows_the_request(page):
     shot(page, "chat")
 
 
-def test_load_test_shows_a_results_table(page):
+def test_load_test_shows_a_results_table(page, shot):
     open_tab(page, "Load test")
     set_number(page, "tab-loadtest", "Requests", 8)
     page.locator("#tab-loadtest").get_by_label("all at once").check()
@@ -164,7 +176,7 @@ def test_load_test_shows_a_results_table(page):
     shot(page, "load_test")
 
 
-def test_compare_static_vs_continuous(page):
+def test_compare_static_vs_continuous(page, shot):
     open_tab(page, "Compare")  # the default preset and workload: 16 short requests per side
     page.click("#compare-run")
     wait_text(page, "#compare-status", r"Done\.", 150)
@@ -177,7 +189,7 @@ def test_compare_static_vs_continuous(page):
     shot(page, "compare")
 
 
-def test_roofline_latency_and_kv_calculator(page):
+def test_roofline_latency_and_kv_calculator(page, shot):
     open_tab(page, "Roofline")
     wait_text(page, "#roofline-caption", r"decode steps \(median", 90)
     legend = page.locator("#roofline-plot .legendtext", has_text="decode steps")
