@@ -2,7 +2,7 @@
 
 import json
 
-from engine import bench_prefix
+from benchmarks import prefix as bench_prefix
 
 
 def test_bench_prefix_reports_cached_prompt_tokens_and_same_tokens(tmp_path, capsys):

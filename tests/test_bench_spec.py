@@ -2,7 +2,7 @@
 
 import json
 
-from engine import bench_spec
+from benchmarks import spec as bench_spec
 
 
 def test_bench_spec_reports_drafts_and_tokens_per_step(tmp_path, capsys):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine import device_ceilings as dc
+from engine.telemetry import ceilings as dc
 from engine.telemetry.ceilings import (
     CACHE_FILE_NAME,
     PRESETS,

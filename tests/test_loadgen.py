@@ -22,18 +22,17 @@ from playground.loadgen import (
     RequestResult,
     WorkloadSpec,
     arrival_offsets_s,
-    build_parser,
     build_requests,
     compute_summary,
     format_summary_table,
-    length_dist_from_args,
     load_dataset,
     parse_slos,
     run_load_test,
-    spec_from_args,
 )
 from playground.loadgen.metrics import meets_slos
+from playground.loadgen.run import build_parser, length_dist_from_args, spec_from_args
 from playground.loadgen.workload import build_warmup_requests, parse_dataset_record
+from playground.remote.client import OpenAIClient
 
 
 class FakeTokenizer:
@@ -373,9 +372,8 @@ def test_openai_target_streams_and_counts_usage_tokens():
         return httpx.Response(200, text=_sse(first, *text, last, usage))
 
     async def go():
-        target = OpenAITarget("http://x:1/v1", "m", api_key="k", tokenizer=FakeTokenizer())
-        target._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        target._client_loop = asyncio.get_running_loop()
+        client = OpenAIClient("http://x:1/v1", "k", transport=httpx.MockTransport(handler))
+        target = OpenAITarget("http://x:1/v1", "m", tokenizer=FakeTokenizer(), client=client)
         spec = WorkloadSpec(num_prompts=1, output_len=3)
         r = await target.send(GenRequest(0, [5, 6, 7, 8], 4, 3), spec)
         await target.aclose()
@@ -397,9 +395,8 @@ def test_openai_target_reports_http_errors():
         return httpx.Response(400, json=err)
 
     async def go():
-        target = OpenAITarget("http://x:1", "m", tokenizer=FakeTokenizer())
-        target._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        target._client_loop = asyncio.get_running_loop()
+        client = OpenAIClient("http://x:1", transport=httpx.MockTransport(handler))
+        target = OpenAITarget("http://x:1", "m", tokenizer=FakeTokenizer(), client=client)
         return await target.send(GenRequest(0, "hi", 1, 3), WorkloadSpec())
 
     r = asyncio.run(go())

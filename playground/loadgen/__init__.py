@@ -9,7 +9,7 @@ from playground.loadgen.metrics import (
     format_summary_table,
     parse_slos,
 )
-from playground.loadgen.run import main, run_load_test
+from playground.loadgen.run import load_tokenizer, main, run_load_test
 from playground.loadgen.targets import EngineTarget, OpenAITarget, Target
 from playground.loadgen.workload import (
     GenRequest,
@@ -34,6 +34,7 @@ __all__ = [
     "compute_summary",
     "format_summary_table",
     "load_dataset",
+    "load_tokenizer",
     "main",
     "parse_slos",
     "run_load_test",
