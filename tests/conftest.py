@@ -7,16 +7,32 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def llm_f32():
-    """The embedded model in float32 (parity tests), shared by the whole session."""
-    from engine import LLM
+def make_llm():
+    """make_llm(**kwargs) -> LLM(**kwargs), one engine per distinct EngineConfig for the whole
+    session (the embedded model takes 10-30 s to load on a 2-core CPU). Only for tests that
+    leave the engine as they found it (requests finished, nothing reconfigured), so that the
+    next file sees the same engine it would have built; counters and step history do grow, so
+    read them as differences."""
+    from engine import LLM, EngineConfig
 
-    return LLM(dtype="float32", max_model_len=512)
+    engines: dict[EngineConfig, LLM] = {}
+
+    def make(**kwargs: object) -> LLM:
+        config = EngineConfig(**kwargs)  # keyed by config: defaults spelt out or not, same key
+        if config not in engines:
+            engines[config] = LLM(**kwargs)
+        return engines[config]
+
+    return make
 
 
 @pytest.fixture(scope="session")
-def tiny_llm():
-    """A 2-layer random model: fast tests of engine mechanics."""
-    from engine import LLM
+def llm_f32(make_llm):
+    """The embedded model in float32 (parity tests), shared by the whole session."""
+    return make_llm(dtype="float32", max_model_len=512)
 
-    return LLM(model="random:tiny", dtype="float32", max_model_len=256, num_kv_blocks=64)
+
+@pytest.fixture(scope="session")
+def tiny_llm(make_llm):
+    """A 2-layer random model: fast tests of engine mechanics."""
+    return make_llm(model="random:tiny", dtype="float32", max_model_len=256, num_kv_blocks=64)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine import LLM, EngineConfig, EngineService, SamplingParams
+from engine import EngineConfig, EngineService, SamplingParams
 from engine.serving.service import wait_until_idle
 
 TINY = dict(model="random:tiny", dtype="float32", max_model_len=256, num_kv_blocks=64)
@@ -25,13 +25,13 @@ def assert_all_free(svc: EngineService) -> None:
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-def test_sync_stream_deltas_add_up_to_generate(service):
+def test_sync_stream_deltas_add_up_to_generate(service, make_llm):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     deltas = list(service.submit("The playground streams", params))
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
     assert "".join(d.new_text for d in deltas) == deltas[-1].text
     assert sum(len(d.new_token_ids) for d in deltas) == 12
-    expected = LLM(**TINY).generate(["The playground streams"], params)[0]
+    expected = make_llm(**TINY).generate(["The playground streams"], params)[0]
     assert deltas[-1].token_ids == expected.token_ids and deltas[-1].text == expected.text
     assert_all_free(service)
 
