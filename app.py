@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
         service = EngineService(config)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # a bad flag or --model path: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"engine ready: {service.model_name}; open http://{args.host}:{args.port}")

@@ -90,10 +90,21 @@ class EngineConfig:
             _check_positive("max_model_len", self.max_model_len)
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        gpu_util = self.gpu_memory_utilization
+        if isinstance(gpu_util, bool) or not isinstance(gpu_util, int | float):
+            gpu_util = float("nan")  # a string or a bool: rejected below, naming the field
+        if not 0.0 < gpu_util <= 1.0:
             raise ValueError(
-                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        # The seed feeds random.Random and torch.Generator.manual_seed (at most 64 bits).
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed: must be in [0, 2**64 - 1], got {self.seed}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):  # "no" would read as True
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

@@ -43,7 +43,12 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         try:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                num_steps = self.engine.num_steps
+                outputs = self.engine.step()
+                if not outputs and self.engine.num_steps == num_steps:
+                    # Work left but none schedulable: raising beats looping forever.
+                    raise RuntimeError("engine: requests are left but none can be scheduled")
+                for out in outputs:
                     if out.finished:
                         results[out.request_id] = out
         except BaseException:
@@ -57,7 +62,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list | tuple) or not messages:
+            raise ValueError("messages: must be a non-empty list of {role, content} messages")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.engine.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params)
 
@@ -71,7 +78,16 @@ class LLM:
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise ValueError(
+            f"prompts: must be a string, a list of token ids or a list of those, got {prompts!r}"
+        )
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
+    for prompt in prompts:  # the engine checks each id against the vocabulary
+        if not isinstance(prompt, str | list | tuple):
+            raise ValueError(
+                f"prompt: must be a string or a list of token ids, got {prompt!r} in a batch"
+            )
     return prompts

@@ -7,53 +7,62 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+# Bounds that keep every sampling field computable by the sampler (engine/runner/sampler.py)
+# in float32/int64 tensors: outside them a request would raise inside the step (and, before
+# fault isolation, fail the whole batch) or yield NaN probabilities.
+MIN_TEMPERATURE = 1e-2  # logits / T: below this, float32 logits overflow to inf (NaN softmax)
+MAX_TEMPERATURE = 100.0  # above this the distribution is uniform to float32 precision anyway
+MIN_TOP_P = 1e-6  # smaller keeps only the top token anyway; float32 zero would drop every token
+MAX_TOP_K = 2**31 - 1  # values above the vocabulary keep every token
+MIN_REPETITION_PENALTY = 1e-2  # logits / penalty must stay finite in float32
+MAX_REPETITION_PENALTY = 100.0
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most 64 bits
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Per-request sampling settings, validated at construction: a bad value raises
+    ValueError("<field>: ...") and never reaches the engine thread."""
+
     max_tokens: int = 64  # most new tokens to generate
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
-    top_k: int = -1  # -1 = all tokens
-    min_p: float = 0.0  # drop tokens whose prob < min_p * max prob
-    seed: int | None = None  # per-request RNG; same seed -> same tokens, whatever the batch
+    temperature: float = 1.0  # 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE]
+    top_p: float = 1.0  # nucleus mass kept, in [MIN_TOP_P, 1]
+    top_k: int = -1  # -1 = all tokens, else in [1, MAX_TOP_K]
+    min_p: float = 0.0  # drop tokens whose prob < min_p * max prob; in [0, 1]
+    seed: int | None = None  # per-request RNG in [0, MAX_SEED]; same seed -> same tokens
     stop: tuple[str, ...] = ()  # stop strings (not included in the output text)
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens (included in token_ids)
     ignore_eos: bool = False  # keep going past EOS (benchmarks with exact lengths)
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output
+    # > 1 discourages tokens already in prompt or output; in [MIN_, MAX_REPETITION_PENALTY]
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Accept a lone string / list for convenience, store tuples so the params stay hashable.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise ValueError(f"max_tokens: must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k: must be -1 (off) or a positive integer, got {self.top_k!r}")
-        if self.top_k == 0:
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
+        object.__setattr__(
+            self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int)
+        )
+        _check_int("max_tokens", self.max_tokens, 1, None)
+        if not (_is_real(self.temperature) and self.temperature == 0):
+            _check_real("temperature", self.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE,
+                        "0 (greedy) or ")  # fmt: skip
+        _check_real("top_p", self.top_p, MIN_TOP_P, 1.0)
+        if _is_int(self.top_k) and self.top_k == 0:
             raise ValueError("top_k: 0 keeps no token; use -1 to turn top-k off")
-        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
-        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
-        ):
-            raise ValueError(f"seed: must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not (_is_int(self.top_k) and self.top_k == -1):
+            _check_int("top_k", self.top_k, 1, MAX_TOP_K, "-1 (off) or ")
+        _check_real("min_p", self.min_p, 0.0, 1.0)
+        _check_real("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                    MAX_REPETITION_PENALTY)  # fmt: skip
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED, "None or ")
+        if any(not s for s in self.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: must be non-negative integers")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: must be non-negative integers, got "
+                             f"{list(self.stop_token_ids)!r}")  # fmt: skip
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
@@ -62,6 +71,37 @@ class SamplingParams:
 
 def _is_real(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, not here
+
+
+def _check_int(name: str, value: object, low: int, high: int | None, alt: str = "") -> None:
+    """`value` is an int (not a bool) in [low, high]; the message names the field."""
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: must be {alt}an integer {span}, got {value!r}")
+
+
+def _check_real(name: str, value: object, low: float, high: float, alt: str = "") -> None:
+    """`value` is a finite int or float (not a bool, not a string) in [low, high]."""
+    if not _is_real(value) or not low <= value <= high:
+        raise ValueError(f"{name}: must be {alt}a number in [{low:g}, {high:g}], got {value!r}")
+
+
+def _as_tuple(name: str, value: object, kind: type) -> tuple:
+    """A lone string (stop) or a list/tuple of `kind` as a tuple; None means empty."""
+    if value is None:
+        return ()
+    if kind is str and isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name}: must be a list of {kind.__name__}, got {value!r}")
+    ok = _is_int if kind is int else (lambda x: isinstance(x, str))
+    if not all(ok(x) for x in value):
+        raise ValueError(f"{name}: must be a list of {kind.__name__}, got {list(value)!r}")
+    return tuple(value)
 
 
 class RequestStatus(enum.Enum):

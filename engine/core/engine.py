@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 _DEFAULT_MAX_MODEL_LEN = 8192
 
 Prompt = str | Sequence[int]
+_CHAT_ROLES = ("system", "user", "assistant")  # the server maps "developer" to system
 
 
 class LLMEngine:
@@ -112,6 +113,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"prompt: model {self.model_name!r} has no tokenizer; pass ids")
             return list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, list | tuple):
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {prompt!r}")
         ids = list(prompt)
         vocab = self.source.arch.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
@@ -123,6 +126,14 @@ class LLMEngine:
             raise ValueError(f"messages: model {self.model_name!r} has no chat template")
         if not messages:
             raise ValueError("messages: must not be empty")
+        for message in messages:  # caught here, not as a jinja error inside the template
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                raise ValueError(f"messages: each needs a string 'content', got {message!r}")
+            if message.get("role") not in _CHAT_ROLES:
+                raise ValueError(
+                    f"messages: role must be one of {', '.join(_CHAT_ROLES)}, "
+                    f"got {message.get('role')!r}"
+                )
         text = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=False
         )
@@ -147,6 +158,14 @@ class LLMEngine:
                 f"prompt: {len(prompt_ids)} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and len(prompt_ids) > budget:
+            # Unchunked, it could never be scheduled (and would block the queue behind it).
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens exceed max_num_batched_tokens={budget}, "
+                "the most one step computes without chunked prefill; shorten it, raise "
+                "max_num_batched_tokens or enable chunked prefill"
+            )
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         blocks = self.block_manager.max_blocks_for(max_total)
         if blocks > self.block_manager.num_blocks:
@@ -166,6 +185,13 @@ class LLMEngine:
         )
         init_offsets(request)
         return request
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The default max_tokens for a prompt (as vLLM): the rest of max_model_len, capped by
+        what the KV pool can hold for one request."""
+        bm = self.block_manager
+        room = min(self.max_model_len, bm.num_blocks * bm.block_size) - num_prompt_tokens
+        return max(1, room)
 
     def add(self, request: Request) -> None:
         if request.request_id in self._requests:

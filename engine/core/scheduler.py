@@ -205,7 +205,10 @@ class Scheduler:
         num_new = request.num_tokens - request.num_computed_tokens - skip
         if num_new > budget:
             if not self.enable_chunked_prefill:
-                return 0
+                # Unchunked work larger than the whole budget (a preempted request recomputing
+                # prompt + output) runs alone in a step; otherwise it would never run and
+                # would block the queue behind it.
+                return num_new if budget == self.max_num_batched_tokens else 0
             num_new = budget
         return num_new
 

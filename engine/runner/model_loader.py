@@ -137,7 +137,13 @@ def _random_source(spec: str) -> ModelSource:
         key = _RANDOM_ALIASES.get(key.strip(), key.strip())
         if key not in fields or not value:
             raise ValueError(f"model: bad random-model override {item!r} in {spec!r}")
-        changes[key] = float(value) if "." in value else int(value)
+        try:
+            number = float(value) if "." in value else int(value)
+        except ValueError:
+            raise ValueError(f"model: bad random-model override {item!r} in {spec!r}") from None
+        if number <= 0 and key != "bos_token_id":  # sizes, eps, theta: all must be positive
+            raise ValueError(f"model: random-model override {item!r} must be positive")
+        changes[key] = number
     arch = dataclasses.replace(arch, **changes)
     # Random models borrow the embedded tokenizer when its vocabulary fits (text in, text out).
     tokenizer_dir = None

@@ -222,8 +222,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
-        if max_tokens is None:  # OpenAI: up to the context length
-            max_tokens = max(1, _max_model_len(service) - len(prompt_ids))
+        if max_tokens is None:  # OpenAI: up to the context length, capped by the KV pool
+            max_tokens = service.engine.max_new_tokens(len(prompt_ids))
         params = sampling_params(req, max_tokens)
         stream = server_streams.submit(service, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}")
         if req.stream:
@@ -350,10 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     fields = EngineConfig.field_names()
     try:
         config = EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    except ValueError as e:
+        service = EngineService(config)
+    except (ValueError, OSError) as e:  # a bad flag or --model path: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    service = EngineService(config)
     app = create_app(
         service,
         served_model_name=args.served_model_name,

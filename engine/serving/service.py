@@ -195,6 +195,7 @@ class EngineService:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
+            num_steps = self.engine.num_steps
             try:
                 with self._lock:
                     outputs = self.engine.step()
@@ -205,6 +206,10 @@ class EngineService:
                 with self._lock:
                     outputs = self.engine.abort_all(f"engine error: {exc}")
             self._publish(outputs)
+            if not outputs and self.engine.num_steps == num_steps:
+                # Nothing was schedulable: wait for a submit or an abort rather than spin.
+                self._wakeup.wait(timeout=0.05)
+                self._wakeup.clear()
         with self._lock:
             self._drain_inbox()
             self._publish(self.engine.abort_all("engine shut down"))
