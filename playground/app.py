@@ -13,7 +13,8 @@ from typing import Any
 
 import gradio as gr
 
-from playground.context import AppContext
+from playground.context import AppContext, MakeService
+from playground.engine_client import EngineClient
 from playground.engine_info import describe
 from playground.remote.client import RemoteServer
 from playground.tabs import (
@@ -62,10 +63,10 @@ def describe_remote(remote: RemoteServer) -> str:
 
 
 def build_app(
-    service: Any = None,
+    service: EngineClient | None = None,
     *,
     remote: RemoteServer | None = None,
-    make_service: Callable[[Any], Any] | None = None,
+    make_service: MakeService | None = None,
     title: str | None = None,
 ) -> gr.Blocks:
     """The whole UI over `service` (an EngineService), or over `remote` (an OpenAI-compatible
@@ -77,8 +78,7 @@ def build_app(
         ctx = AppContext.for_remote(remote)
         header, tabs = describe_remote(remote), REMOTE_TABS
     else:
-        extra = {"make_service": make_service} if make_service is not None else {}
-        ctx = AppContext.for_service(service, **extra)
+        ctx = AppContext.for_service(service, make_service)
         header, tabs = describe(ctx.info), TABS
     with gr.Blocks(title=title or "Inference playground", analytics_enabled=False) as demo:
         gr.Markdown(f"# Inference playground\n{header}", elem_id="header")

@@ -6,18 +6,24 @@ OpenAI-compatible server (`remote` set, no engine loaded: `service` and `info` a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig
+from playground.engine_client import EngineClient
 from playground.engine_info import EngineInfo, engine_info
-from playground.handlers.chat import ActiveRequests
 from playground.handlers.roofline import CeilingsProvider
 from playground.loadgen.targets import EngineTarget, OpenAITarget, Target
-from playground.remote.client import LazyTokenizer, RemoteServer
+from playground.remote.client import RemoteServer
+from playground.remote.tokenizer import LazyTokenizer
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+MakeService = Callable[["EngineConfig"], EngineClient]
 
 
-def _new_service(config: EngineConfig) -> Any:
+def _new_service(config: EngineConfig) -> EngineClient:
+    # Local mode only: remote mode never imports the engine's service (nor torch).
     from engine.serving.service import EngineService
 
     return EngineService(config)
@@ -25,19 +31,20 @@ def _new_service(config: EngineConfig) -> Any:
 
 @dataclass
 class AppContext:
-    service: Any  # the EngineService every tab shares (None in remote mode)
+    service: EngineClient | None  # the EngineService every tab shares (None in remote mode)
     info: EngineInfo | None  # None in remote mode
-    chats: ActiveRequests = field(default_factory=ActiveRequests)
     ceilings: CeilingsProvider | None = None
     # Builds the throw-away engines of the Compare tab (tests may substitute a smaller one).
-    make_service: Callable[[EngineConfig], Any] = _new_service
+    make_service: MakeService = _new_service
     remote: RemoteServer | None = None  # remote mode: the OpenAI-compatible server
     tokenizer: LazyTokenizer | None = None  # remote mode: builds load-test prompts
 
     @classmethod
-    def for_service(cls, service: Any, **kwargs: Any) -> AppContext:
+    def for_service(
+        cls, service: EngineClient, make_service: MakeService | None = None
+    ) -> AppContext:
         info = engine_info(service)
-        ctx = cls(service=service, info=info, **kwargs)
+        ctx = cls(service=service, info=info, make_service=make_service or _new_service)
         if ctx.ceilings is None:
             ctx.ceilings = CeilingsProvider(info.device)
         return ctx

@@ -32,7 +32,7 @@ from playground.loadgen import (
 from playground.loadgen.metrics import meets_slos
 from playground.loadgen.run import build_parser, length_dist_from_args, spec_from_args
 from playground.loadgen.workload import build_warmup_requests, parse_dataset_record
-from playground.remote.client import OpenAIClient
+from playground.remote.client import OpenAIClient, StreamReply
 
 
 class FakeTokenizer:
@@ -401,6 +401,35 @@ def test_openai_target_reports_http_errors():
 
     r = asyncio.run(go())
     assert not r.success and r.error == "HTTP 400: prompt: too long"
+
+
+def test_one_client_reads_chat_streams_stream_errors_and_counts_chunks_without_usage():
+    """The client remote chat and OpenAITarget share: chat deltas and completion text both
+    count as content; an error chunk ends the reply with its message; without a usage report
+    the tokens are the content chunks."""
+    chunks = [
+        {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+        *({"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": t}}]} for t in "ab"),
+        {"error": {"message": "engine: out of blocks"}},
+        {"choices": [{"index": 0, "delta": {"content": "never read"}}]},
+    ]
+
+    def handler(request):
+        return httpx.Response(200, text=_sse(*chunks))
+
+    async def go():
+        client = OpenAIClient("http://x:1", transport=httpx.MockTransport(handler))
+        reply, seen = StreamReply(send_time=time.perf_counter()), []
+        await client.stream("chat/completions", {}, reply, lambda r: seen.append(r.text))
+        await client.aclose()
+        return reply, seen
+
+    reply, seen = asyncio.run(go())
+    assert seen == ["a", "ab"] and reply.text == "ab" and reply.request_id == "chatcmpl-1"
+    assert reply.error == "stream error: engine: out of blocks"
+    metrics = reply.metrics(reply.content_times[-1] + 1.0)
+    assert metrics.num_tokens == 2 and not metrics.tokens_from_usage
+    assert metrics.ttft_s == pytest.approx(reply.content_times[0] - reply.send_time)
 
 
 def test_sampling_options_reach_both_targets():

@@ -8,6 +8,7 @@ import json
 import math
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,13 +22,15 @@ from playground.figures.latency import cdf_figure, gantt_figure, throughput_figu
 from playground.figures.roofline import roofline_figure
 from playground.handlers.chat import (
     ActiveRequests,
+    StreamThrottle,
     build_messages,
     render,
     sampling_params,
     stats_line,
-    stream_reply,
 )
-from playground.handlers.compare import SideOutcome, compare_rows, preset_sides, side_config
+from playground.handlers.chat_engine import stream_reply
+from playground.handlers.compare import SideOutcome, compare_rows
+from playground.handlers.compare_engine import engine_sides, preset_sides, side_config
 from playground.handlers.kv import (
     LOADED_MODEL,
     MODEL_PRESETS,
@@ -234,6 +237,78 @@ def test_chat_helpers():
     assert shown[0]["content"].endswith("<sub>TTFT 5 ms</sub>") and "par ▌" in shown[1]["content"]
 
 
+def test_one_stats_line_for_engine_and_client_metrics():
+    from playground.remote.client import ClientMetrics
+
+    engine = SimpleNamespace(ttft_s=0.02, tpot_s=0.005, e2e_s=0.5)
+    line = stats_line(engine, 10, "length")
+    assert line == "TTFT 20 ms · TPOT 5 ms · 20.0 tok/s · 10 tokens · hit max tokens"
+    counted = ClientMetrics(ttft_s=0.1, e2e_s=1.0, num_tokens=4, tokens_from_usage=False)
+    line = stats_line(counted, 4, "abort", chunks_counted=True, measured_by="by the client")
+    assert line == (
+        "TTFT 100 ms · TPOT 300 ms · 4.0 tok/s · ≥4 tokens (chunks counted) · by the client"
+        " · stopped"
+    )
+    assert stats_line(SimpleNamespace(ttft_s=None, tpot_s=None, e2e_s=None), 0, None) == "0 tokens"
+
+
+def test_stream_throttle_lets_one_update_per_interval_and_always_the_last():
+    throttle = StreamThrottle(interval_s=60.0)
+    assert throttle.due(last=False)  # the first update shows at once
+    assert not throttle.due(last=False)  # within the interval: skipped
+    assert throttle.due(last=True)  # the finished reply is never skipped
+    fast = StreamThrottle(interval_s=0.0)
+    assert all(fast.due(last=False) for _ in range(3))
+
+
+class _InstantTarget:
+    """A load-test target that answers each request at once, one token."""
+
+    name = "instant"
+
+    async def send(self, request, spec):
+        now = time.perf_counter()
+        return RequestResult(request.index, now, now, now, [now], request.prompt_len, 1)
+
+    async def aclose(self):
+        pass
+
+
+class _FakeSide:
+    config = None
+    starting = "starting"
+    finishing = "finishing"
+
+    def __init__(self, name, refuse=False):
+        self.name, self.label, self.refuse = name, f"{name}: fake", refuse
+        self.finished_with = None
+
+    def start(self):
+        if self.refuse:
+            raise RuntimeError("refused")
+        return _InstantTarget()
+
+    def finish(self, outcome, run):
+        self.finished_with = run
+        outcome.steps = [_step(0, "decode", 2)]
+
+
+def test_background_compare_runs_any_side_and_reports_one_that_refuses():
+    from playground.handlers.compare import BackgroundCompare
+    from playground.loadgen import GenRequest
+
+    spec = WorkloadSpec(num_prompts=2, request_rate=math.inf)
+    requests = [GenRequest(i, [5, 6], 2, 1) for i in range(2)]
+    refusing, working = _FakeSide("A", refuse=True), _FakeSide("B")
+    cmp = BackgroundCompare(spec, [refusing, working], requests).start()
+    assert cmp.done.wait(30)
+    a, b = cmp.outcomes
+    assert a.error == "refused" and a.result is None and refusing.finished_with is None
+    assert b.error is None and b.result.summary()["completed"] == 2
+    assert working.finished_with is not None and len(b.steps) == 1  # finish() kept its steps
+    assert "A: fake: refused" in cmp.problems()
+
+
 def test_summary_rows_and_compare_rows():
     t0 = 10.0
     results = [_result(i, t0) for i in range(3)] + [_result(3, t0, ok=False)]
@@ -427,7 +502,8 @@ def test_api_load_test_live_and_kv_tabs(client):
 
 def test_background_compare_runs_both_sides_and_keeps_peak_maps(service):
     from engine.serving.service import EngineService
-    from playground.handlers.compare import BackgroundCompare, side_label
+    from playground.handlers.compare import BackgroundCompare
+    from playground.handlers.compare_engine import side_label
     from playground.loadgen import build_requests
 
     spec = spec_from_form({"num_prompts": 3, "arrival": "all at once", "input_kind": "fixed",
@@ -442,7 +518,7 @@ def test_background_compare_runs_both_sides_and_keeps_peak_maps(service):
         ),
     ]
     requests = build_requests(spec, service.tokenizer)
-    cmp = BackgroundCompare(spec, sides, requests, EngineService).start()
+    cmp = BackgroundCompare(spec, engine_sides(sides, EngineService), requests).start()
     assert cmp.done.wait(120)
     a, b = cmp.outcomes
     assert a.label == "A: batching=static" and a.config.batching == "static"
@@ -458,7 +534,8 @@ def test_compare_prefix_caching_computes_only_the_uncached_prompt_tokens(service
     """The preset's workload (a shared prefix) on both sides: B finds the prefix in its cache
     and computes fewer prompt tokens; the rows say so, with B as the better side."""
     from engine.serving.service import EngineService
-    from playground.handlers.compare import PRESET_WORKLOAD, BackgroundCompare, side_label
+    from playground.handlers.compare import BackgroundCompare
+    from playground.handlers.compare_engine import PRESET_WORKLOAD, side_label
     from playground.loadgen import build_requests
 
     name = "prefix caching off vs on (shared prompt prefix)"
@@ -470,7 +547,8 @@ def test_compare_prefix_caching_computes_only_the_uncached_prompt_tokens(service
         (n, side_label(n, side, other), side_config(service.config, side, 1024, 256))
         for n, side, other in (("A", off, on), ("B", on, off))
     ]
-    cmp = BackgroundCompare(spec, sides, build_requests(spec, service.tokenizer), EngineService)
+    requests = build_requests(spec, service.tokenizer)
+    cmp = BackgroundCompare(spec, engine_sides(sides, EngineService), requests)
     assert cmp.start().done.wait(120)
     a, b = cmp.outcomes
     assert a.error is None and b.error is None

@@ -17,7 +17,8 @@ from engine.serving.service import EngineService
 from playground.handlers.chat import ActiveRequests, sampling_params
 from playground.handlers.chat_remote import RemoteChat
 from playground.handlers.loadtest import WORKLOAD_FIELDS
-from playground.remote.client import ChatStream, RemoteServer, chat_body
+from playground.remote.chat import ChatStream, chat_body
+from playground.remote.client import RemoteServer
 from playground.tabs.compare import WORKLOAD_FIELDS as COMPARE_FIELDS
 
 pytestmark = [

@@ -1,24 +1,25 @@
-"""Chat logic: sampling form -> SamplingParams, conversation -> chat template -> engine stream,
-per-reply metrics, and the per-session registry the Stop button aborts through.
-
-The tab streams ChatReply updates from a backend: EngineChat here (the in-process engine), or
-handlers_chat_remote.RemoteChat (an OpenAI-compatible server, in remote mode)."""
+"""Chat logic both backends share: sampling form -> SamplingParams, conversation -> messages,
+the stats line under a reply, the streaming throttle, the per-session registry the Stop button
+aborts through, and the ChatBackend the tab streams ChatReply updates from: EngineChat
+(handlers/chat_engine.py, the in-process engine) or RemoteChat (handlers/chat_remote.py, an
+OpenAI-compatible server in remote mode)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, Protocol, TypeVar
 
-from engine import SamplingParams
-from engine.request import RequestMetrics, RequestOutput
+from engine.request import SamplingParams
 
 # Each turn: {"role": "user" | "assistant", "content": text, "stats": line (assistant only)}.
 Turn = dict[str, str]
 
 STREAM_YIELD_INTERVAL_S = 0.05  # at most ~20 UI updates/s per reply, however fast the engine
+NOTHING_TO_STOP = "Nothing to stop: no reply is streaming."
 
 
 def sampling_params(
@@ -55,32 +56,63 @@ def build_messages(system_prompt: str, turns: Sequence[Turn], user_message: str)
     return messages
 
 
-def prompt_for(service: Any, messages: list[dict]) -> list[int] | str:
-    """Token ids from the model's chat template, or plain "role: text" lines without one."""
-    try:
-        return service.apply_chat_template(messages)
-    except ValueError:
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join([*lines, "assistant:"])
+class ReplyTimes(Protocol):
+    """Seconds, whoever measured them: the engine's RequestMetrics or the client's
+    ClientMetrics."""
+
+    @property
+    def ttft_s(self) -> float | None: ...
+    @property
+    def tpot_s(self) -> float | None: ...
+    @property
+    def e2e_s(self) -> float | None: ...
 
 
-def stats_line(metrics: RequestMetrics, num_tokens: int, finish_reason: str | None) -> str:
-    """TTFT (arrival -> first token), TPOT (mean gap after the first token), output tokens per
-    second of end-to-end time, token count: all from the engine's RequestMetrics."""
+def stats_line(
+    times: ReplyTimes,
+    num_tokens: int,
+    finish_reason: str | None,
+    *,
+    chunks_counted: bool = False,
+    measured_by: str | None = None,
+) -> str:
+    """TTFT, TPOT, output tokens per second of end-to-end time, token count, and how the reply
+    ended. chunks_counted: the count is of content chunks (no usage report; a chunk holds one
+    token or more). measured_by: who timed it, when not the engine."""
     parts = []
-    if metrics.ttft_s is not None:
-        parts.append(f"TTFT {metrics.ttft_s * 1e3:.0f} ms")
-    if metrics.tpot_s is not None:
-        parts.append(f"TPOT {metrics.tpot_s * 1e3:.0f} ms")
-    e2e = metrics.e2e_s
-    if e2e and num_tokens:
-        parts.append(f"{num_tokens / e2e:.1f} tok/s")
-    parts.append(f"{num_tokens} tokens")
+    if times.ttft_s is not None:
+        parts.append(f"TTFT {times.ttft_s * 1e3:.0f} ms")
+    if times.tpot_s is not None:
+        parts.append(f"TPOT {times.tpot_s * 1e3:.0f} ms")
+    e2e_s = times.e2e_s
+    if e2e_s and num_tokens:
+        parts.append(f"{num_tokens / e2e_s:.1f} tok/s")
+    parts.append(
+        f"≥{num_tokens} tokens (chunks counted)" if chunks_counted else f"{num_tokens} tokens"
+    )
+    if measured_by:
+        parts.append(measured_by)
     if finish_reason == "abort":
         parts.append("stopped")
     elif finish_reason == "length":
         parts.append("hit max tokens")
     return " · ".join(parts)
+
+
+class StreamThrottle:
+    """Lets at most one update through per interval; the last update always passes. Skipping is
+    safe because every update carries the whole reply so far."""
+
+    def __init__(self, interval_s: float = STREAM_YIELD_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last_s = -math.inf  # time.monotonic() of the last update let through
+
+    def due(self, last: bool) -> bool:
+        now = time.monotonic()
+        if last or now - self._last_s >= self.interval_s:
+            self._last_s = now
+            return True
+        return False
 
 
 def render(turns: Sequence[Turn], streaming: str | None = None, live: str = "") -> list[dict]:
@@ -96,55 +128,29 @@ def render(turns: Sequence[Turn], streaming: str | None = None, live: str = "") 
     return out
 
 
-class ActiveRequests:
+Handle = TypeVar("Handle")
+
+
+class ActiveRequests(Generic[Handle]):
     """Which request each browser session is streaming, so Stop aborts the right one. A handle
-    is the engine's request id (local) or the remote_client.ChatStream (remote mode)."""
+    is the engine's request id (EngineChat) or the remote ChatStream (RemoteChat)."""
 
     def __init__(self) -> None:
-        self._by_session: dict[str, Any] = {}
+        self._by_session: dict[str, Handle] = {}
         self._lock = threading.Lock()
 
-    def set(self, session: str, handle: Any) -> None:
+    def set(self, session: str, handle: Handle) -> None:
         with self._lock:
             self._by_session[session] = handle
 
-    def clear(self, session: str, handle: Any) -> None:
+    def clear(self, session: str, handle: Handle) -> None:
         with self._lock:
             if self._by_session.get(session) == handle:
                 del self._by_session[session]
 
-    def get(self, session: str) -> Any | None:
+    def get(self, session: str) -> Handle | None:
         with self._lock:
             return self._by_session.get(session)
-
-
-async def stream_reply(
-    service: Any,
-    prompt: list[int] | str,
-    params: SamplingParams,
-    active: ActiveRequests,
-    session: str,
-) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one reply, thinned to STREAM_YIELD_INTERVAL_S (the last one is
-    always yielded). Aborts the request if the consumer goes away before it finishes."""
-    stream = service.submit(prompt, params)
-    active.set(session, stream.request_id)
-    last_yield = 0.0
-    finished = False
-    try:
-        async for out in stream:
-            finished = out.finished
-            now = time.monotonic()
-            if finished or now - last_yield >= STREAM_YIELD_INTERVAL_S:
-                last_yield = now
-                yield out
-    finally:
-        active.clear(session, stream.request_id)
-        if not finished:
-            service.abort(stream.request_id)
-
-
-NOTHING_TO_STOP = "Nothing to stop: no reply is streaming."
 
 
 @dataclass(frozen=True)
@@ -160,38 +166,25 @@ class ChatReply:
     stats: str  # the metrics line under a finished reply ("" while streaming)
 
 
-class EngineChat:
-    """Chat with the in-process engine: its chat template, its own per-request metrics."""
+class ChatBackend(Protocol):
+    """What the Chat tab streams from: the in-process engine or a remote server."""
 
-    waiting = "waiting for the engine"
-    error_label = "Engine error"
+    waiting: str  # the live line before the first update ("waiting for the engine")
+    error_label: str  # "Engine error" | "Server error"
 
-    def __init__(self, service: Any, active: ActiveRequests) -> None:
-        self.service = service
-        self.active = active
-
-    async def replies(
+    def replies(
         self, messages: list[dict], params: SamplingParams, session: str
     ) -> AsyncIterator[ChatReply]:
-        prompt = prompt_for(self.service, messages)
-        async for out in stream_reply(self.service, prompt, params, self.active, session):
-            n = len(out.token_ids)
-            yield ChatReply(
-                out.request_id,
-                out.text,
-                f"{n} tokens",
-                out.finished,
-                out.finish_reason == "abort",
-                out.error,
-                stats_line(out.metrics, n, out.finish_reason) if out.finished else "",
-            )
+        """The reply so far, throttled; the last one is finished. ValueError / RuntimeError:
+        refused before it started."""
+        ...
 
-    def stopped_message(self, request_id: str | None) -> str:
-        return f"Stopped {request_id}: the engine freed its KV blocks at once."
+    def streaming(self, session: str) -> bool:
+        """Whether this browser session has a reply streaming (one at a time)."""
+        ...
+
+    def stopped_message(self, request_id: str | None) -> str: ...
 
     def stop(self, session: str) -> str:
-        request_id = self.active.get(session)
-        if request_id is None:
-            return NOTHING_TO_STOP
-        self.service.abort(request_id)
-        return self.stopped_message(request_id)
+        """Stops the session's reply; says what happened (NOTHING_TO_STOP when none)."""
+        ...

@@ -1,9 +1,6 @@
-"""Compare logic: two engine configurations, each in its own EngineService, run one after the
-other on the same seeded requests; the block map kept at each side's peak usage.
-
-The same code serves both sides (DESIGN.md, "Baselines live in the same engine"): only the
-EngineConfig fields in SIDE_FIELDS differ, and the KV budget is fixed in tokens so a bigger
-block size gets fewer blocks of the same total bytes.
+"""Compare logic: the same seeded requests against two sides, one after the other, and their
+numbers side by side. A side is a CompareSide: an engine configuration in its own EngineService
+(handlers/compare_engine.py) or an OpenAI-compatible server (handlers/compare_remote.py).
 """
 
 from __future__ import annotations
@@ -11,186 +8,63 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.config import EngineConfig
-from engine.core.block_manager import BlockSnapshot
-from engine.telemetry.stats import StepStats
 from playground.handlers.loadtest import BackgroundRun, progress_html
-from playground.loadgen import EngineTarget, GenRequest, LoadTestResult, WorkloadSpec
+from playground.loadgen import GenRequest, LoadTestResult, Target, WorkloadSpec
 
-SIDE_FIELDS = (
-    "batching",
-    "kv_layout",
-    "enable_prefix_caching",
-    "speculative_method",
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-)
-BLOCK_SIZES = (8, 16, 32, 64)
-DEFAULT_SIDE: dict[str, Any] = {
-    "batching": "continuous",
-    "kv_layout": "paged",
-    "enable_prefix_caching": False,
-    "speculative_method": "off",
-    "block_size": 16,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 256,
-}
-PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "static vs continuous batching": ({"batching": "static"}, {"batching": "continuous"}),
-    "contiguous vs paged KV": ({"kv_layout": "contiguous"}, {"kv_layout": "paged"}),
-    "max_num_seqs 2 vs 8": ({"max_num_seqs": 2}, {"max_num_seqs": 8}),
-    "block size 64 vs 16": ({"block_size": 64}, {"block_size": 16}),
-    "prefix caching off vs on (shared prompt prefix)": (
-        {"enable_prefix_caching": False},
-        {"enable_prefix_caching": True},
-    ),
-    "speculative decoding off vs n-gram": (
-        {"speculative_method": "off", "max_num_seqs": 2},
-        {"speculative_method": "ngram", "max_num_seqs": 2},
-    ),
-    "token budget 32 vs 256 (chunked prefill)": (
-        {"max_num_batched_tokens": 32},
-        {"max_num_batched_tokens": 256},
-    ),
-}
-DEFAULT_PRESET = "static vs continuous batching"
-# Workload fields a preset sets too: prefix caching only pays off on prompts that share a prefix.
-PRESET_WORKLOAD: dict[str, dict[str, Any]] = {
-    "prefix caching off vs on (shared prompt prefix)": {"prefix_len": 192},
-}
-# Small enough for a 2-core CPU: each side finishes in seconds with the embedded model.
-DEFAULT_COMPARE_WORKLOAD: dict[str, Any] = {
-    "num_prompts": 16,
-    "arrival": "all at once",
-    "input_kind": "uniform",
-    "input_low": 16,
-    "input_high": 64,
-    "output_kind": "uniform",
-    "output_low": 4,
-    "output_high": 24,
-    "seed": 0,
-    "temperature": 0.0,
-    "ignore_eos": True,
-    "max_concurrency": 0,
-    "prefix_len": 0,
-}
-DEFAULT_KV_BUDGET_TOKENS = 4096
-DEFAULT_MAX_MODEL_LEN = 512
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.core.block_manager import BlockSnapshot
+    from engine.telemetry.stats import StepStats
 
 
-def preset_sides(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    if name not in PRESETS:
-        raise ValueError(f"preset: pick one of {', '.join(PRESETS)}")
-    a, b = PRESETS[name]
-    return {**DEFAULT_SIDE, **a}, {**DEFAULT_SIDE, **b}
-
-
-def side_config(
-    base: EngineConfig, side: Mapping[str, Any], kv_budget_tokens: Any, max_model_len: Any
-) -> EngineConfig:
-    """The main engine's model, device and dtype with this side's scheduling and KV fields."""
-    values = {}
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-        v = side[name]
-        if v is None or v != int(v) or v < 1:
-            raise ValueError(f"{name}: must be a positive whole number, got {v!r}")
-        values[name] = int(v)
-    for name, v in (("KV budget", kv_budget_tokens), ("max_model_len", max_model_len)):
-        if v is None or v != int(v) or v < 1:
-            raise ValueError(f"{name}: must be a positive whole number, got {v!r}")
-    num_blocks = int(kv_budget_tokens) // values["block_size"]
-    if num_blocks < 1:
-        raise ValueError(
-            f"KV budget: {kv_budget_tokens} tokens hold no block of {values['block_size']}"
-        )
-    prefix_caching = bool(side.get("enable_prefix_caching", False))
-    if side["kv_layout"] == "contiguous" and prefix_caching:
-        raise ValueError("prefix caching: needs the paged KV layout (blocks are what is shared)")
-    if (
-        side["kv_layout"] == "contiguous"
-        and -(-int(max_model_len) // values["block_size"]) > num_blocks
-    ):
-        raise ValueError(
-            f"KV budget: with the contiguous layout each request reserves max_model_len = "
-            f"{int(max_model_len)} tokens, more than the {kv_budget_tokens}-token budget"
-        )
-    return base.replace(
-        batching=side["batching"],
-        kv_layout=side["kv_layout"],
-        enable_prefix_caching=prefix_caching,
-        speculative_method=side.get("speculative_method", "off"),
-        num_kv_blocks=num_blocks,
-        max_model_len=int(max_model_len),
-        **values,
-    )
-
-
-def side_label(name: str, side: Mapping[str, Any], other: Mapping[str, Any]) -> str:
-    diff = [f"{k}={side[k]}" for k in SIDE_FIELDS if side[k] != other[k]]
-    return f"{name}: {', '.join(diff) if diff else 'same config'}"
-
-
-class PeakPoller:
-    """Polls block_snapshot() and keeps the one with the most blocks held."""
-
-    def __init__(self, service: Any, interval_s: float = 0.1) -> None:
-        self.service = service
-        self.interval_s = interval_s
-        self.peak: BlockSnapshot = service.block_snapshot()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="peak-poller", daemon=True)
-
-    @staticmethod
-    def used(snapshot: BlockSnapshot) -> int:
-        return snapshot.num_blocks - snapshot.num_free
-
-    def start(self) -> PeakPoller:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            snap = self.service.block_snapshot()
-            if self.used(snap) > self.used(self.peak):
-                self.peak = snap
-
-    def stop(self) -> BlockSnapshot:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
+def blocks_held(snapshot: BlockSnapshot) -> int:
+    return snapshot.num_blocks - snapshot.num_free
 
 
 @dataclass
 class SideOutcome:
     name: str  # "A" or "B"
     label: str
-    config: EngineConfig | None  # None: a remote server (handlers_compare_remote)
+    config: EngineConfig | None  # None: a remote server
     result: LoadTestResult | None = None
-    peak: BlockSnapshot | None = None
-    steps: list[StepStats] = field(default_factory=list)
-    load_s: float = 0.0  # seconds to build the engine (model load)
+    peak: BlockSnapshot | None = None  # the block map at peak usage (engine sides)
+    steps: list[StepStats] = field(default_factory=list)  # the run's engine steps (engine sides)
+    load_s: float = 0.0  # seconds to make the side ready (engine: model load)
     error: str | None = None
 
 
+class CompareSide(Protocol):
+    """One side of a compare: made ready, driven as a load test, then finished."""
+
+    name: str  # "A" | "B"
+    label: str  # "A: batching=static", for the status and figures
+    config: EngineConfig | None  # the engine configuration it runs (None: a remote server)
+    starting: str  # the phase shown while start() runs ("loading the model")
+    finishing: str  # the phase shown while finish() runs ("shutting down")
+
+    def start(self) -> Target:
+        """Ready to take the requests (may take seconds); an exception says why it refused."""
+        ...
+
+    def finish(self, outcome: SideOutcome, run: BackgroundRun | None) -> None:
+        """Keeps what only this side can tell (engine steps, peak block map) in the outcome and
+        releases what start() took. run: the load test, None when it never began."""
+        ...
+
+
 class BackgroundCompare:
-    """Runs the sides one after the other in a thread: build engine, run, keep peak, shut down."""
+    """Runs the sides one after the other in a thread: start, run the load test, finish."""
 
     def __init__(
-        self,
-        spec: WorkloadSpec,
-        sides: list[tuple[str, str, EngineConfig | None]],
-        requests: list[GenRequest],
-        make_service: Callable[[EngineConfig], Any],
+        self, spec: WorkloadSpec, sides: list[CompareSide], requests: list[GenRequest]
     ) -> None:
         self.spec = spec
         self.requests = requests
-        self.make_service = make_service
-        self.outcomes = [SideOutcome(name, label, cfg) for name, label, cfg in sides]
+        self.sides = sides
+        self.outcomes = [SideOutcome(s.name, s.label, s.config) for s in sides]
         self.phase = "starting"
         self.current: BackgroundRun | None = None
         self.done = threading.Event()
@@ -226,41 +100,37 @@ class BackgroundCompare:
 
     def _main(self) -> None:
         try:
-            for outcome in self.outcomes:
+            for side, outcome in zip(self.sides, self.outcomes, strict=True):
                 if self._stopped:
                     outcome.error = "not run (stopped)"
                     continue
-                self._run_side(outcome)
+                self._run_side(side, outcome)
         finally:
             self.phase = "done"
             self.done.set()
 
-    def _run_side(self, outcome: SideOutcome) -> None:
-        self.phase = f"{outcome.label}: loading the model"
+    def _run_side(self, side: CompareSide, outcome: SideOutcome) -> None:
+        self.phase = f"{outcome.label}: {side.starting}"
         t0 = time.perf_counter()
         try:
-            service = self.make_service(outcome.config)
-        except Exception as e:  # a config the engine refuses: report it, go on
-            outcome.error = f"engine did not start: {e}"
+            target = side.start()
+        except Exception as e:  # a side that refuses (a config the engine rejects): go on
+            outcome.error = str(e)
             return
         outcome.load_s = time.perf_counter() - t0
-        poller = None
+        run = None
         try:
             self.phase = f"{outcome.label}: running"
-            poller = PeakPoller(service).start()
-            run = BackgroundRun(self.spec, EngineTarget(service), self.requests)
+            run = BackgroundRun(self.spec, target, self.requests)
             self.current = run
-            if self._stopped:  # stopped while the engine was loading
+            if self._stopped:  # stopped while the side was starting
                 run.stop()
             run.start().done.wait()
             outcome.result, outcome.error = run.result, run.error
-            outcome.steps = [s for s in service.stats().steps if s.start_time >= run.start_time]
         finally:
-            if poller is not None:
-                outcome.peak = poller.stop()
             self.current = None
-            self.phase = f"{outcome.label}: shutting down"
-            service.shutdown()
+            self.phase = f"{outcome.label}: {side.finishing}"
+            side.finish(outcome, run)
 
 
 # --- results side by side --------------------------------------------------------------------
@@ -298,7 +168,7 @@ def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
     m: dict[str, Any] = dict(outcome.result.summary()) if outcome.result else {}
     steps = [s for s in outcome.steps if s.batch_size]
     if outcome.peak is not None:
-        m["peak_blocks"] = PeakPoller.used(outcome.peak)
+        m["peak_blocks"] = blocks_held(outcome.peak)
     m["num_steps"] = len(steps)
     m["mean_batch"] = statistics.fmean(s.batch_size for s in steps) if steps else None
     m["preemptions"] = sum(s.num_preemptions for s in steps)

@@ -8,11 +8,9 @@ Both servers must serve the same model: the prompts are token ids from A's token
 
 from __future__ import annotations
 
-from typing import Any
-
-from playground.handlers.compare import COMPARE_ROWS, BackgroundCompare, SideOutcome, compare_rows
+from playground.handlers.compare import COMPARE_ROWS, SideOutcome, compare_rows
 from playground.handlers.loadtest import BackgroundRun
-from playground.loadgen import GenRequest, OpenAITarget, WorkloadSpec
+from playground.loadgen import OpenAITarget, Target
 from playground.loadgen.workload import Tokenizer
 from playground.remote.client import RemoteServer
 
@@ -38,7 +36,9 @@ CLIENT_KEYS = frozenset(
 CLIENT_ROWS = tuple(row for row in COMPARE_ROWS if row[1] in CLIENT_KEYS)
 
 
-def connect_side(name: str, base_url: Any, model: Any, api_key: Any) -> RemoteServer:
+def connect_side(
+    name: str, base_url: str | None, model: str | None, api_key: str | None
+) -> RemoteServer:
     """The server of one side (GET /v1/models); ValueError names the side."""
     if not (base_url or "").strip():
         raise ValueError(f"{name} base URL: give the server's URL, e.g. http://127.0.0.1:8001")
@@ -52,32 +52,24 @@ def target_for(server: RemoteServer, tokenizer: Tokenizer) -> OpenAITarget:
     return OpenAITarget(server.base_url, server.model, server.api_key, tokenizer=tokenizer)
 
 
-def _no_engine(config: Any) -> Any:
-    raise RuntimeError("a remote compare starts no engine")
+class RemoteSide:
+    """A CompareSide that is a server already running: nothing to start or shut down, no block
+    map to poll; only what the client measures."""
 
+    config = None
+    starting = "connecting"
+    finishing = "done"
 
-class RemoteCompare(BackgroundCompare):
-    """BackgroundCompare over two OpenAI targets: each side is a load test, nothing to start
-    or shut down, no block map to poll."""
+    def __init__(self, name: str, label: str, target: OpenAITarget) -> None:
+        self.name = name
+        self.label = label
+        self.target = target
 
-    def __init__(
-        self,
-        spec: WorkloadSpec,
-        sides: list[tuple[str, str, OpenAITarget]],
-        requests: list[GenRequest],
-    ) -> None:
-        super().__init__(spec, [(n, label, None) for n, label, _ in sides], requests, _no_engine)
-        self.targets = {name: target for name, _, target in sides}
+    def start(self) -> Target:
+        return self.target
 
-    def _run_side(self, outcome: SideOutcome) -> None:
-        self.phase = f"{outcome.label}: running"
-        run = BackgroundRun(self.spec, self.targets[outcome.name], self.requests)
-        self.current = run
-        if self._stopped:  # stopped between the sides
-            run.stop()
-        run.start().done.wait()
-        outcome.result, outcome.error = run.result, run.error
-        self.current = None
+    def finish(self, outcome: SideOutcome, run: BackgroundRun | None) -> None:
+        pass
 
 
 def remote_compare_rows(a: SideOutcome, b: SideOutcome) -> list[list[str]]:

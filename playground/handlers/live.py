@@ -8,11 +8,11 @@ the tab skips re-sending figures, so an idle engine costs the browser nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import plotly.graph_objects as go
 
 from engine.telemetry.stats import EngineStats
+from playground.engine_client import EngineClient
 from playground.figures.blocks import block_map_figure, usage_gauge
 from playground.figures.engine import batch_timeline_figure, queue_html
 from playground.figures.style import fmt_bytes
@@ -79,7 +79,7 @@ def prefix_cache_text(stats: EngineStats) -> str:
     )
 
 
-def live_view(service: Any) -> tuple[tuple[int, ...], LiveView]:
+def live_view(service: EngineClient) -> tuple[tuple[int, ...], LiveView]:
     stats = service.stats()
     snapshot = service.block_snapshot()
     queue = service.queue_snapshot()

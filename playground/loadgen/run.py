@@ -36,6 +36,7 @@ from playground.loadgen.workload import (
     build_requests,
     build_warmup_requests,
 )
+from playground.remote.client import RemoteServer
 
 # on_progress(done, total, last_result); may be a plain function or a coroutine function.
 ProgressCallback = Callable[[int, int, RequestResult], Any]
@@ -276,15 +277,9 @@ def load_tokenizer(name: str) -> Any:
 
 
 async def _first_served_model(base_url: str, api_key: str | None) -> str:
-    import httpx
-
-    base = base_url.rstrip("/")
-    url = f"{base}/models" if base.endswith("/v1") else f"{base}/v1/models"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=30.0) as client:
-        resp = await client.get(url, headers=headers)
-        resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
+    """GET /v1/models through the playground's client; ValueError says what went wrong."""
+    server = await asyncio.to_thread(RemoteServer.connect, base_url, api_key)
+    return server.model
 
 
 async def _run_cli(args: argparse.Namespace) -> LoadTestResult:

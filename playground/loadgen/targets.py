@@ -7,19 +7,15 @@ time.perf_counter() on the caller's event loop.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import time
-from typing import Any, Protocol
-
-import httpx
+from typing import TYPE_CHECKING, Any, Protocol
 
 from playground.loadgen.metrics import RequestResult
 from playground.loadgen.workload import GenRequest, Tokenizer, WorkloadSpec
+from playground.remote.client import OpenAIClient, StreamReply
 
-# Long enough for any honest request (vLLM's benchmark uses 6 hours too).
-HTTP_TIMEOUT_S = 6 * 3600.0
+if TYPE_CHECKING:
+    from playground.engine_client import EngineClient
 
 
 class Target(Protocol):
@@ -36,9 +32,9 @@ class Target(Protocol):
 class EngineTarget:
     """The in-process engine (an EngineService): what the UI's Load test tab drives."""
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: EngineClient) -> None:
         self.service = service
-        self.name = f"engine:{getattr(service, 'model_name', 'engine')}"
+        self.name = f"engine:{service.model_name}"
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -98,15 +94,10 @@ class EngineTarget:
         pass
 
 
-def _completions_url(base_url: str) -> str:
-    """Accepts both "http://host:port" and the OpenAI client's "http://host:port/v1"."""
-    base = base_url.rstrip("/")
-    return f"{base}/completions" if base.endswith("/v1") else f"{base}/v1/completions"
-
-
 class OpenAITarget:
     """Any OpenAI-compatible server (ours, vLLM, SGLang, llama.cpp), via streaming
-    /v1/completions. Token-id prompts are sent as lists of ids, which the OpenAI API accepts.
+    /v1/completions through the playground's OpenAIClient. Token-id prompts are sent as lists
+    of ids, which the OpenAI API accepts.
 
     The tokenizer builds random prompts; it must be the served model's for exact lengths.
     """
@@ -117,15 +108,13 @@ class OpenAITarget:
         model: str,
         api_key: str | None = None,
         tokenizer: Tokenizer | None = None,
+        client: OpenAIClient | None = None,  # default: one to base_url with api_key
     ) -> None:
         self.base_url = base_url
         self.model = model
-        self.api_key = api_key
-        self.url = _completions_url(base_url)
+        self.client = client or OpenAIClient(base_url, api_key)
         self.name = f"{base_url} ({model})"
         self._tokenizer = tokenizer
-        self._client: httpx.AsyncClient | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -135,19 +124,6 @@ class OpenAITarget:
                 "to build prompts; pass tokenizer=..."
             )
         return self._tokenizer
-
-    def _http(self) -> httpx.AsyncClient:
-        # An AsyncClient belongs to the event loop it was first used on.
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            self._client = httpx.AsyncClient(
-                headers=headers,
-                timeout=httpx.Timeout(HTTP_TIMEOUT_S, connect=30.0, pool=None),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-            )
-            self._client_loop = loop
-        return self._client
 
     def payload(self, request: GenRequest, spec: WorkloadSpec) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -170,65 +146,24 @@ class OpenAITarget:
         return body
 
     async def send(self, request: GenRequest, spec: WorkloadSpec) -> RequestResult:
-        result = RequestResult(request.index, send_time=time.perf_counter())
-        result.prompt_tokens = request.prompt_len
-        usage = None
-        num_chunks = 0
-        try:
-            async with self._http().stream(
-                "POST", self.url, json=self.payload(request, spec)
-            ) as resp:
-                if resp.status_code != 200:
-                    body = (await resp.aread()).decode(errors="replace")
-                    result.error = f"HTTP {resp.status_code}: {_error_message(body)}"
-                    result.end_time = time.perf_counter()
-                    return result
-                async for line in resp.aiter_lines():
-                    data = line[5:].strip() if line.startswith("data:") else ""
-                    if not data:
-                        continue
-                    if data == "[DONE]":
-                        break
-                    now = time.perf_counter()
-                    chunk = json.loads(data)
-                    if chunk.get("error"):
-                        result.error = f"stream error: {_error_message(data)}"
-                        break
-                    choices = chunk.get("choices") or []
-                    if choices and choices[0].get("text"):
-                        if result.first_token_time is None:
-                            result.first_token_time = now
-                        result.token_times.append(now)
-                        num_chunks += 1
-                    if choices and choices[0].get("finish_reason"):
-                        result.finish_reason = choices[0]["finish_reason"]
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-            result.end_time = time.perf_counter()
-        except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
-            result.error = f"{type(e).__name__}: {e}"
-            result.end_time = time.perf_counter()
-            return result
-        if usage is not None:
-            result.prompt_tokens = int(usage.get("prompt_tokens") or request.prompt_len)
-            result.output_tokens = int(usage.get("completion_tokens") or 0)
-        else:  # the server ignored stream_options.include_usage: one token per chunk
-            result.output_tokens = num_chunks
-        return result
+        reply = StreamReply(send_time=time.perf_counter())
+        await self.client.stream("completions", self.payload(request, spec), reply)
+        end_time = time.perf_counter()
+        metrics = reply.metrics(end_time)
+        usage = reply.usage or {}
+        return RequestResult(
+            request.index,
+            send_time=reply.send_time,
+            first_token_time=reply.first_content_time,
+            end_time=end_time,
+            token_times=reply.content_times,
+            prompt_tokens=int(usage.get("prompt_tokens") or request.prompt_len),
+            # The server's usage report; without one (it ignored stream_options), one token
+            # per content chunk.
+            output_tokens=metrics.num_tokens,
+            finish_reason=reply.finish_reason,
+            error=reply.error,
+        )
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
-            with contextlib.suppress(RuntimeError):  # its event loop is gone: nothing to close
-                await client.aclose()
-
-
-def _error_message(body: str) -> str:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return body[:300]
-    err = obj.get("error", obj) if isinstance(obj, dict) else obj
-    if isinstance(err, dict):
-        return str(err.get("message", err))[:300]
-    return str(err)[:300]
+        await self.client.aclose()

@@ -1,10 +1,11 @@
-"""A small client for a remote OpenAI-compatible server (ours, vLLM, SGLang, llama.cpp): what the
-playground's remote mode needs, with every latency measured here, by the client.
+"""The one OpenAI HTTP client of the playground: remote chat, remote compare and the load
+generator's OpenAITarget all talk to a server (ours, vLLM, SGLang, llama.cpp) through it.
 
     remote = RemoteServer.connect("http://host:8000")    # GET /v1/models: model, max_model_len
-    stream = ChatStream(remote, chat_body(remote.model, messages, params))
-    async for update in stream.updates(): ...            # ChatUpdate: the reply so far
-    stream.stop()                                        # from any thread: closes the stream
+    client = OpenAIClient(remote.base_url, remote.api_key)
+    reply = StreamReply(send_time=time.perf_counter())
+    await client.stream("chat/completions", body, reply)  # SSE chunks -> reply (errors too)
+    reply.metrics(time.perf_counter())                     # ClientMetrics: TTFT, E2E, tokens
 
 A remote server exposes no engine telemetry (block map, step stats, queue times), so nothing here
 pretends to: TTFT is send -> first content chunk as this client saw it, network included.
@@ -13,26 +14,29 @@ pretends to: TTFT is send -> first content chunk as this client saw it, network 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from types import TracebackType
 from typing import Any
 
 import httpx
 
-from engine.request import SamplingParams
-from playground.loadgen.workload import Tokenizer
-
 CONNECT_TIMEOUT_S = 10.0
-CHAT_TIMEOUT_S = 3600.0  # one reply; a stalled server is stopped with Stop
+# Long enough for any honest request (vLLM's benchmark uses 6 hours too).
+STREAM_TIMEOUT = httpx.Timeout(6 * 3600.0, connect=30.0, pool=None)
 
 
 def api_url(base_url: str, path: str) -> str:
     """{base}/v1/{path}; accepts "http://host:port" and the OpenAI client's ".../v1"."""
     base = base_url.rstrip("/")
     return f"{base}/{path}" if base.endswith("/v1") else f"{base}/v1/{path}"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def error_message(body: str) -> str:
@@ -45,6 +49,157 @@ def error_message(body: str) -> str:
     return str(err.get("message", err) if isinstance(err, dict) else err)[:300]
 
 
+async def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON objects of a server-sent event stream, up to `data: [DONE]`."""
+    async for line in resp.aiter_lines():
+        data = line[5:].strip() if line.startswith("data:") else ""
+        if data == "[DONE]":
+            return
+        if data:
+            yield json.loads(data)
+
+
+@dataclass(frozen=True)
+class ClientMetrics:
+    """One reply as this client timed it (time.perf_counter, seconds)."""
+
+    ttft_s: float | None  # send -> first chunk with content
+    e2e_s: float  # send -> end of the stream
+    num_tokens: int  # completion tokens: the server's usage, else content chunks
+    tokens_from_usage: bool  # False: counted chunks (a chunk may hold several tokens)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2E - TTFT) / (tokens - 1), as loadgen and `vllm bench serve` define it."""
+        if self.ttft_s is None or self.num_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_tokens - 1)
+
+
+@dataclass
+class StreamReply:
+    """What the chunks of one streamed reply said so far, and when (time.perf_counter seconds).
+    Chat chunks carry `choices[0].delta.content`, completion chunks `choices[0].text`."""
+
+    send_time: float
+    content_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    request_id: str | None = None  # the server's id for the completion, once a chunk named it
+    parts: list[str] = field(default_factory=list)  # the content of each content chunk
+    finish_reason: str | None = None  # "abort" when this client closed the stream
+    error: str | None = None
+    usage: dict | None = None  # the server's usage report (stream_options.include_usage)
+
+    @property
+    def first_content_time(self) -> float | None:
+        return self.content_times[0] if self.content_times else None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, chunk: dict, now: float) -> bool:
+        """Takes one chunk; True when it carried content."""
+        if chunk.get("error"):
+            self.error = f"stream error: {error_message(json.dumps(chunk))}"
+            return False
+        self.request_id = chunk.get("id") or self.request_id
+        choices = chunk.get("choices") or []
+        choice = choices[0] if choices else {}
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        self.usage = chunk.get("usage") or self.usage
+        content = choice.get("text") or (choice.get("delta") or {}).get("content")
+        if not content:
+            return False
+        self.content_times.append(now)
+        self.parts.append(content)
+        return True
+
+    def metrics(self, end_time: float) -> ClientMetrics:
+        tokens = (self.usage or {}).get("completion_tokens")
+        ttft = self.first_content_time
+        return ClientMetrics(
+            ttft_s=None if ttft is None else ttft - self.send_time,
+            e2e_s=end_time - self.send_time,
+            num_tokens=int(tokens) if tokens is not None else len(self.parts),
+            tokens_from_usage=tokens is not None,
+        )
+
+
+class OpenAIClient:
+    """Streaming POSTs to one server. An httpx.AsyncClient belongs to the event loop it was
+    first used on, so one is made per loop; `async with` closes it (a one-reply client)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: httpx.Timeout = STREAM_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,  # tests: httpx.MockTransport
+    ) -> None:
+        self.base_url = base_url
+        self.api_key = api_key
+        self.timeout = timeout
+        self.transport = transport
+        self._http: httpx.AsyncClient | None = None
+        self._http_loop: asyncio.AbstractEventLoop | None = None
+
+    def url(self, path: str) -> str:
+        return api_url(self.base_url, path)
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop:
+            self._http = httpx.AsyncClient(
+                headers=auth_headers(self.api_key),
+                timeout=self.timeout,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                transport=self.transport,
+            )
+            self._http_loop = loop
+        return self._http
+
+    async def stream(
+        self,
+        path: str,
+        body: dict[str, Any],
+        reply: StreamReply,
+        on_content: Callable[[StreamReply], None] | None = None,
+    ) -> None:
+        """POST a streaming request and read its chunks into `reply`, calling on_content after
+        each chunk with content. A refusal (HTTP status), an error chunk or a broken connection
+        lands in reply.error; cancellation propagates (the connection is closed)."""
+        try:
+            async with self._client().stream("POST", self.url(path), json=body) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    reply.error = f"HTTP {resp.status_code}: {error_message(text)}"
+                    return
+                async for chunk in sse_chunks(resp):
+                    if reply.add(chunk, time.perf_counter()) and on_content is not None:
+                        on_content(reply)
+                    if reply.error:
+                        return
+        except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+            reply.error = f"{type(e).__name__}: {e}"
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            http, self._http = self._http, None
+            with contextlib.suppress(RuntimeError):  # its event loop is gone: nothing to close
+                await http.aclose()
+
+    async def __aenter__(self) -> OpenAIClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
 @dataclass(frozen=True)
 class RemoteServer:
     base_url: str  # as given, without a trailing slash
@@ -55,11 +210,14 @@ class RemoteServer:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return auth_headers(self.api_key)
 
     @property
     def label(self) -> str:
         return f"{self.model} at {self.base_url}"
+
+    def client(self, timeout: httpx.Timeout = STREAM_TIMEOUT) -> OpenAIClient:
+        return OpenAIClient(self.base_url, self.api_key, timeout)
 
     @classmethod
     def connect(
@@ -98,206 +256,3 @@ class RemoteServer:
             model=model or card["id"],
             max_model_len=int(length) if isinstance(length, int) and length > 0 else None,
         )
-
-
-class LazyTokenizer:
-    """The tokenizer that builds load-test prompts, loaded on first use (not at start-up) and
-    kept: an engine model spec (smollm2-135m, a folder, a GGUF) or a Hugging Face name."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._tokenizer: Tokenizer | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> Tokenizer:
-        with self._lock:
-            if self._tokenizer is None:
-                from playground.loadgen import load_tokenizer
-
-                try:
-                    tokenizer = load_tokenizer(self.name)
-                except Exception as e:  # not installed, not downloadable, not a tokenizer
-                    tokenizer, why = None, f"{type(e).__name__}: {e}"
-                else:
-                    why = "it ships no tokenizer"
-                if tokenizer is None:
-                    raise ValueError(
-                        f"tokenizer: could not load {self.name!r} ({why}); start the playground "
-                        "with --tokenizer and the served model's HF folder or engine model spec"
-                    )
-                self._tokenizer = tokenizer
-            return self._tokenizer
-
-
-def chat_body(model: str, messages: list[dict], params: SamplingParams) -> dict[str, Any]:
-    """A streaming chat request with the form's sampling fields; top_k is a vLLM extension
-    (SGLang, llama.cpp and ours accept it too) and is left out when off."""
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if params.top_k != -1:
-        body["top_k"] = params.top_k
-    if params.seed is not None:
-        body["seed"] = params.seed
-    return body
-
-
-@dataclass(frozen=True)
-class ClientMetrics:
-    """One reply as this client timed it (time.perf_counter, seconds)."""
-
-    ttft_s: float | None  # send -> first chunk with content
-    e2e_s: float  # send -> end of the stream
-    num_tokens: int  # completion tokens: the server's usage, else content chunks
-    tokens_from_usage: bool  # False: counted chunks (a chunk may hold several tokens)
-
-    @property
-    def tpot_s(self) -> float | None:
-        """(E2E - TTFT) / (tokens - 1), as loadgen and `vllm bench serve` define it."""
-        if self.ttft_s is None or self.num_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.num_tokens - 1)
-
-
-@dataclass(frozen=True)
-class ChatUpdate:
-    request_id: str | None  # the server's id for the completion, once a chunk named it
-    text: str  # the reply so far
-    num_chunks: int  # content chunks received so far
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" (stopped here) | None
-    error: str | None = None
-    metrics: ClientMetrics | None = None  # on the finished update
-
-
-class ChatStream:
-    """One streaming POST /v1/chat/completions. The HTTP read runs in its own task, so stop()
-    closes the connection even while the server is silent (queued, or in a long prefill); a
-    server that aborts on disconnect (ours, vLLM, SGLang) then frees the request's KV blocks."""
-
-    def __init__(self, remote: RemoteServer, body: dict[str, Any]) -> None:
-        self.remote = remote
-        self.body = body
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
-        self._stop_requested = False
-
-    def stop(self) -> None:
-        """Safe from any thread; the last update then has finish_reason "abort"."""
-        self._stop_requested = True
-        loop, task = self._loop, self._task
-        if loop is not None and task is not None:
-            loop.call_soon_threadsafe(task.cancel)
-
-    async def updates(self) -> AsyncIterator[ChatUpdate]:
-        """The reply so far, newest only (updates that piled up are merged); the last one is
-        finished. Leaving early closes the stream."""
-        queue: asyncio.Queue[ChatUpdate] = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.ensure_future(self._read(queue))
-        if self._stop_requested:
-            self._task.cancel()
-        try:
-            while True:
-                update = await queue.get()
-                while not update.finished and not queue.empty():
-                    update = queue.get_nowait()
-                yield update
-                if update.finished:
-                    return
-        finally:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _read(self, queue: asyncio.Queue[ChatUpdate]) -> None:
-        reply = _Reply(send_time=time.perf_counter())
-        url = api_url(self.remote.base_url, "chat/completions")
-        timeout = httpx.Timeout(CHAT_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        try:
-            async with (
-                httpx.AsyncClient(headers=self.remote.headers, timeout=timeout) as client,
-                client.stream("POST", url, json=self.body) as resp,
-            ):
-                if resp.status_code != 200:
-                    body = (await resp.aread()).decode(errors="replace")
-                    reply.error = f"HTTP {resp.status_code}: {error_message(body)}"
-                else:
-                    async for chunk in _sse_chunks(resp):
-                        if reply.add(chunk, time.perf_counter()):
-                            queue.put_nowait(reply.update())
-                        if reply.error:
-                            break
-        except asyncio.CancelledError:  # stop(), or the consumer left: the connection is closed
-            reply.finish_reason = "abort"
-        except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
-            reply.error = f"{type(e).__name__}: {e}"
-        queue.put_nowait(reply.final(time.perf_counter()))
-
-
-@dataclass
-class _Reply:
-    """What the chunks of one reply said so far."""
-
-    send_time: float
-    first_content_time: float | None = None
-    request_id: str | None = None
-    parts: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    usage: dict | None = None
-
-    def add(self, chunk: dict, now: float) -> bool:
-        """Takes one chunk; True when it carried content."""
-        if chunk.get("error"):
-            self.error = f"stream error: {error_message(json.dumps(chunk))}"
-            return False
-        self.request_id = chunk.get("id") or self.request_id
-        choices = chunk.get("choices") or []
-        choice = choices[0] if choices else {}
-        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        self.usage = chunk.get("usage") or self.usage
-        content = (choice.get("delta") or {}).get("content")
-        if not content:
-            return False
-        if self.first_content_time is None:
-            self.first_content_time = now
-        self.parts.append(content)
-        return True
-
-    def update(self) -> ChatUpdate:
-        return ChatUpdate(self.request_id, "".join(self.parts), len(self.parts))
-
-    def final(self, end_time: float) -> ChatUpdate:
-        tokens = (self.usage or {}).get("completion_tokens")
-        ttft = self.first_content_time
-        metrics = ClientMetrics(
-            ttft_s=None if ttft is None else ttft - self.send_time,
-            e2e_s=end_time - self.send_time,
-            num_tokens=int(tokens) if tokens is not None else len(self.parts),
-            tokens_from_usage=tokens is not None,
-        )
-        return ChatUpdate(
-            self.request_id,
-            "".join(self.parts),
-            len(self.parts),
-            finished=True,
-            finish_reason=self.finish_reason,
-            error=self.error,
-            metrics=metrics,
-        )
-
-
-async def _sse_chunks(resp: httpx.Response) -> AsyncIterator[dict]:
-    """The JSON objects of a server-sent event stream, up to `data: [DONE]`."""
-    async for line in resp.aiter_lines():
-        data = line[5:].strip() if line.startswith("data:") else ""
-        if data == "[DONE]":
-            return
-        if data:
-            yield json.loads(data)

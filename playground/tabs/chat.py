@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers.chat import EngineChat, build_messages, render, sampling_params
+from playground.handlers.chat import ChatBackend, build_messages, render, sampling_params
+from playground.handlers.chat_engine import EngineChat
 from playground.handlers.chat_remote import RemoteChat
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
@@ -67,10 +68,9 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
 
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
-    if ctx.remote is not None:
-        backend = RemoteChat(ctx.remote, ctx.chats)
-    else:
-        backend = EngineChat(ctx.service, ctx.chats)
+    backend: ChatBackend = (
+        RemoteChat(ctx.remote) if ctx.remote is not None else EngineChat(ctx.service)
+    )
 
     async def respond(
         message,
@@ -95,7 +95,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             yield render(turns), turns, message, f"**Not sent:** {e}"
             return
         session = request.session_hash or "anonymous"
-        if ctx.chats.get(session) is not None:
+        if backend.streaming(session):
             busy = "A reply is still streaming: wait for it or press Stop."
             gr.Warning(busy)
             yield gr.skip(), gr.skip(), gr.skip(), busy

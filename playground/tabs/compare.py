@@ -19,8 +19,13 @@ from playground.figures.latency import (
 )
 from playground.figures.style import empty_figure
 from playground.handlers.compare import (
-    BLOCK_SIZES,
     COMPARE_HEADERS,
+    BackgroundCompare,
+    SideOutcome,
+    compare_rows,
+)
+from playground.handlers.compare_engine import (
+    BLOCK_SIZES,
     DEFAULT_COMPARE_WORKLOAD,
     DEFAULT_KV_BUDGET_TOKENS,
     DEFAULT_MAX_MODEL_LEN,
@@ -28,9 +33,7 @@ from playground.handlers.compare import (
     PRESET_WORKLOAD,
     PRESETS,
     SIDE_FIELDS,
-    BackgroundCompare,
-    SideOutcome,
-    compare_rows,
+    engine_sides,
     preset_sides,
     side_config,
     side_label,
@@ -224,7 +227,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             ("A", side_label("A", side_a, side_b), cfg_a),
             ("B", side_label("B", side_b, side_a), cfg_b),
         ]
-        cmp = BackgroundCompare(spec, sides, requests, ctx.make_service).start()
+        cmp = BackgroundCompare(spec, engine_sides(sides, ctx.make_service), requests).start()
         async with aclosing(follow(cmp, current, len(outputs))) as updates:
             async for update in updates:
                 yield update

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
+from playground.handlers.compare import BackgroundCompare
 from playground.handlers.compare_remote import (
-    RemoteCompare,
+    RemoteSide,
     connect_side,
     remote_compare_rows,
     target_for,
@@ -64,7 +65,7 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
     names = list(ui.form)
-    current: dict[str, RemoteCompare | None] = {"run": None}
+    current: dict[str, BackgroundCompare | None] = {"run": None}
     a = ctx.remote
 
     def prepare(b_url, b_model, b_key, workload):
@@ -73,8 +74,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         b = connect_side("B", b_url, b_model, b_key)
         tokenizer = ctx.tokenizer.get()
         sides = [
-            ("A", f"A: {a.label}", target_for(a, tokenizer)),
-            ("B", f"B: {b.label}", target_for(b, tokenizer)),
+            RemoteSide("A", f"A: {a.label}", target_for(a, tokenizer)),
+            RemoteSide("B", f"B: {b.label}", target_for(b, tokenizer)),
         ]
         return spec, sides, build_requests(spec, tokenizer)
 
@@ -89,7 +90,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             gr.Warning(str(e))
             yield skip, f"**Not started:** {e}", skip, skip, skip
             return
-        cmp = RemoteCompare(spec, sides, requests).start()
+        cmp = BackgroundCompare(spec, sides, requests).start()
         async with aclosing(follow(cmp, current, len(outputs))) as updates:
             async for update in updates:
                 yield update

@@ -1,0 +1,90 @@
+"""Chat with the in-process engine: its chat template, its stream, its own per-request metrics
+(TTFT from arrival in the engine). The ChatBackend of local mode."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from engine.request import RequestOutput, SamplingParams
+from playground.engine_client import EngineClient
+from playground.handlers.chat import (
+    NOTHING_TO_STOP,
+    ActiveRequests,
+    ChatReply,
+    StreamThrottle,
+    stats_line,
+)
+
+
+def prompt_for(service: EngineClient, messages: list[dict]) -> list[int] | str:
+    """Token ids from the model's chat template, or plain "role: text" lines without one."""
+    try:
+        return service.apply_chat_template(messages)
+    except ValueError:
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join([*lines, "assistant:"])
+
+
+async def stream_reply(
+    service: EngineClient,
+    prompt: list[int] | str,
+    params: SamplingParams,
+    active: ActiveRequests[str],
+    session: str,
+) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one reply, throttled (the last one is always yielded). Aborts
+    the request if the consumer goes away before it finishes."""
+    stream = service.submit(prompt, params)
+    active.set(session, stream.request_id)
+    throttle = StreamThrottle()
+    finished = False
+    try:
+        async for out in stream:
+            finished = out.finished
+            if throttle.due(finished):
+                yield out
+    finally:
+        active.clear(session, stream.request_id)
+        if not finished:
+            service.abort(stream.request_id)
+
+
+class EngineChat:
+    """Chat with the in-process engine; the Stop button aborts the request by its id, and the
+    engine frees its KV blocks at once."""
+
+    waiting = "waiting for the engine"
+    error_label = "Engine error"
+
+    def __init__(self, service: EngineClient, active: ActiveRequests[str] | None = None) -> None:
+        self.service = service
+        self.active = active if active is not None else ActiveRequests[str]()
+
+    async def replies(
+        self, messages: list[dict], params: SamplingParams, session: str
+    ) -> AsyncIterator[ChatReply]:
+        prompt = prompt_for(self.service, messages)
+        async for out in stream_reply(self.service, prompt, params, self.active, session):
+            n = len(out.token_ids)
+            yield ChatReply(
+                out.request_id,
+                out.text,
+                f"{n} tokens",
+                out.finished,
+                out.finish_reason == "abort",
+                out.error,
+                stats_line(out.metrics, n, out.finish_reason) if out.finished else "",
+            )
+
+    def streaming(self, session: str) -> bool:
+        return self.active.get(session) is not None
+
+    def stopped_message(self, request_id: str | None) -> str:
+        return f"Stopped {request_id}: the engine freed its KV blocks at once."
+
+    def stop(self, session: str) -> str:
+        request_id = self.active.get(session)
+        if request_id is None:
+            return NOTHING_TO_STOP
+        self.service.abort(request_id)
+        return self.stopped_message(request_id)
