@@ -8,6 +8,7 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockSnapshot
 from engine.core.engine import LLMEngine, Prompt
 from engine.request import RequestOutput, SamplingParams
+from engine.telemetry.prom_null import new_metrics_registry
 from engine.telemetry.stats import EngineStats
 
 Messages = Sequence[dict[str, str]]
@@ -19,7 +20,7 @@ class LLM:
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: not an EngineConfig field")
         self.config = EngineConfig(model=model, **config_fields)  # type: ignore[arg-type]
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, make_metrics=new_metrics_registry)
 
     @property
     def tokenizer(self):

@@ -192,9 +192,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose K/V are in the cache. A step schedules tokens [num_computed_tokens, ...).
     num_computed_tokens: int = 0
-    # Speculative decoding: tokens guessed to follow (verified by the next step, then cleared),
-    # and how many output tokens the last step appended (1, or up to k + 1 with drafts).
-    draft_token_ids: list[int] = field(default_factory=list)
+    # Output tokens the last step appended: 1, or up to k + 1 when k drafts were verified.
     num_new_output_tokens: int = 0
     output_text: str = ""
     # Incremental detokenization state (engine/core/detokenizer.py sets it at admission).

@@ -168,14 +168,47 @@ def test_scheduler_verifies_drafts_and_rewinds_the_rejected_ones():
     sched.update(out, {"a": [7]})
     assert (request.num_computed_tokens, request.num_tokens) == (6, 7)
 
-    request.draft_token_ids = [8, 9, 10]
-    out = sched.schedule()
+    out = sched.schedule(drafts={"a": [8, 9, 10]})
     (item,) = out.scheduled
     assert (item.num_new_tokens, item.num_draft_tokens, item.samples) == (4, 3, True)
+    assert item.draft_token_ids == [8, 9, 10]
     assert out.num_decode_tokens == 4 and out.num_prefill_tokens == 0
     assert len(sched.block_manager.block_table("a")) == 3  # room for all 10 positions
     sched.update(out, {"a": [8, 9, 11]})  # two drafts accepted, the third replaced by 11
-    assert request.output_token_ids == [7, 8, 9, 11] and request.draft_token_ids == []
+    assert request.output_token_ids == [7, 8, 9, 11]
     assert request.num_computed_tokens == 9 == request.num_tokens - 1
     assert request.num_new_output_tokens == 3
     assert len(request.metrics.token_times) == 4
+    (item,) = sched.schedule().scheduled  # drafts live in one step's output, not the request
+    assert (item.num_new_tokens, item.draft_token_ids) == (1, [])
+
+
+def test_scheduler_cuts_drafts_to_the_budget_and_ignores_them_while_prefilling():
+    from engine.core.block_manager import BlockManager
+    from engine.core.scheduler import Scheduler
+    from engine.request import Request
+
+    sched = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    request = Request("a", [1, 2, 3], params, arrival_time=0.0, max_total_tokens=64)
+    sched.add_request(request)
+    (item,) = sched.schedule(drafts={"a": [4, 5]}).scheduled  # the prompt: no drafts yet
+    assert (item.num_new_tokens, item.draft_token_ids) == (3, [])
+    request.num_computed_tokens = 3
+    request.output_token_ids.append(9)
+    (item,) = sched.schedule(drafts={"a": [4, 5, 6, 7]}).scheduled
+    assert (item.num_new_tokens, item.draft_token_ids) == (3, [4, 5])  # 1 + 2 drafts = budget
+
+
+def test_proposer_drafts_only_for_decoding_requests_within_their_limits():
+    from engine.core.spec_decode import NgramProposer
+    from engine.request import Request
+
+    proposer = NgramProposer(EngineConfig(speculative_method="ngram", num_speculative_tokens=4))
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]  # "1 2" recurs: the draft is what followed, 3 4 5 6
+    decoding = Request("d", prompt, SamplingParams(max_tokens=10), 0.0, max_total_tokens=64)
+    decoding.num_computed_tokens = len(prompt) - 1
+    short = Request("s", prompt, SamplingParams(max_tokens=3), 0.0, max_total_tokens=64)
+    short.num_computed_tokens = len(prompt) - 1  # room for 3 tokens: 2 drafts + 1
+    prefilling = Request("p", prompt, SamplingParams(max_tokens=10), 0.0, max_total_tokens=64)
+    assert proposer.propose([decoding, short, prefilling]) == {"d": [3, 4, 5, 6], "s": [3, 4]}

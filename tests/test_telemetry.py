@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from engine.telemetry.cost import kv_cache_bytes
 
 
@@ -78,3 +78,80 @@ def test_prometheus_series_move(llm_bf16):
     assert after[ok] - before.get(ok, 0) == 1
     ttft = "playground:time_to_first_token_seconds_count{}"
     assert after[ttft] - before[ttft] == 1
+
+
+# --- the step recorder, without a model ---------------------------------------------------------
+
+
+class RecordingSink:
+    """A MetricsSink that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def observe_step(self, step):
+        self.calls.append(("step", step.step_index))
+
+    def observe_finished(self, metrics, finish_reason):
+        self.calls.append(("finished", finish_reason))
+
+    def observe_prefix_cache(self, num_query_tokens, num_hit_tokens):
+        self.calls.append(("prefix", num_query_tokens, num_hit_tokens))
+
+    def observe_spec_decode(self, num_draft_tokens, num_accepted_tokens):
+        self.calls.append(("spec", num_draft_tokens, num_accepted_tokens))
+
+
+def test_step_recorder_counts_steps_prefix_lookups_and_drafts():
+    from engine.core.block_manager import BlockManager
+    from engine.core.scheduler import Scheduler
+    from engine.request import Request
+    from engine.telemetry.cost import ModelShape
+    from engine.telemetry.recorder import StepRecorder
+
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    shape = ModelShape(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
+                       num_kv_heads=2, head_dim=16, vocab_size=100,
+                       tie_word_embeddings=True)  # fmt: skip
+    sink = RecordingSink()
+    recorder = StepRecorder(shape, sched, bm, sink, step_history_len=8, request_history_len=8)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    request = Request("a", list(range(1, 9)), params, arrival_time=0.0, max_total_tokens=64)
+    sched.add_request(request)
+
+    out = sched.schedule()  # the 8-token prompt: a prefix lookup, nothing cached yet
+    start = recorder.start_step(out, start_time=1.0)
+    sched.update(out, {"a": [20]})
+    prefill = recorder.record_step(start, out, {"a": [20]}, end_time=1.5)
+    assert (prefill.kind, prefill.num_prefill_tokens, prefill.duration_s) == ("prefill", 8, 0.5)
+    assert (prefill.num_prefix_query_tokens, prefill.num_prefix_hit_tokens) == (8, 0)
+    assert prefill.flops > 0 and prefill.num_running == 1
+
+    out = sched.schedule(drafts={"a": [21, 22, 23]})  # verify 3 drafts; 2 accepted + 1
+    start = recorder.start_step(out, start_time=2.0)
+    sched.update(out, {"a": [21, 22, 30]})
+    decode = recorder.record_step(start, out, {"a": [21, 22, 30]}, end_time=2.25)
+    assert (decode.kind, decode.num_decode_reqs, decode.num_decode_tokens) == ("decode", 1, 4)
+    assert (decode.step_index, decode.num_draft_tokens, decode.num_accepted_tokens) == (1, 3, 2)
+
+    recorder.record_finished("a", "length", request.metrics)
+    assert recorder.num_steps == 2
+    assert (recorder.num_draft_tokens_total, recorder.num_accepted_tokens_total) == (3, 2)
+    assert recorder.num_prefix_query_tokens_total == 8 and recorder.num_prefix_hit_tokens_total == 0
+    assert [s.step_index for s in recorder.step_history.snapshot()] == [0, 1]
+    assert [f.finish_reason for f in recorder.finished_history.snapshot()] == ["length"]
+    assert sink.calls == [
+        ("prefix", 8, 0), ("step", 0), ("spec", 3, 2), ("step", 1), ("finished", "length"),
+    ]  # fmt: skip
+
+
+def test_the_engine_records_nothing_in_prometheus_unless_its_caller_asks():
+    from engine.core.engine import LLMEngine
+    from engine.telemetry.prom import EngineMetricsRegistry
+    from engine.telemetry.prom_null import NullMetricsRegistry
+
+    config = EngineConfig(model="random:tiny", dtype="float32", num_kv_blocks=8)
+    assert isinstance(LLMEngine(config).metrics_registry, NullMetricsRegistry)
+    llm = LLM(model="random:tiny", dtype="float32", num_kv_blocks=8)
+    assert isinstance(llm.engine.metrics_registry, EngineMetricsRegistry)

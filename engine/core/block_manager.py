@@ -98,11 +98,6 @@ class BlockManager:
         return self.num_blocks - len(self._free)
 
     @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (vLLM's kv_cache_usage_perc)."""
-        return self.num_used_blocks / self.num_blocks
-
-    @property
     def num_cached_blocks(self) -> int:
         """Free blocks that still hold a reusable prefix (the block map's "cached")."""
         return self._num_cached_free

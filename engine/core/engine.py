@@ -6,40 +6,21 @@ LLM (engine/llm.py) drives it in the caller's thread for offline batches.
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager, BlockSnapshot
-from engine.core.detokenizer import detokenize_new, find_stop, init_offsets, stop_holdback
-from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.spec_decode import propose_ngram
-from engine.request import (
-    Request,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    new_request_id,
-)
+from engine.core.output import OutputProcessor
+from engine.core.scheduler import Scheduler
+from engine.core.spec_decode import NgramProposer
+from engine.request import Request, RequestOutput, SamplingParams, new_request_id
 from engine.runner.model_loader import load_tokenizer, resolve_model
 from engine.runner.model_runner import ModelRunner
-from engine.telemetry.cost import ModelShape, StepCost, step_cost
-from engine.telemetry.stats import (
-    EngineStats,
-    FinishedRequest,
-    RequestProgress,
-    RingBuffer,
-    StepStats,
-    step_kind,
-)
-
-try:
-    from engine.telemetry.prom import EngineMetricsRegistry
-except ImportError:  # no prometheus_client (GPU check machines have torch + triton only)
-    from engine.telemetry.prom_null import NullMetricsRegistry as EngineMetricsRegistry
-
-logger = logging.getLogger(__name__)
+from engine.telemetry.cost import ModelShape
+from engine.telemetry.prom_null import NullMetricsRegistry
+from engine.telemetry.recorder import MetricsSink, StepRecorder
+from engine.telemetry.stats import EngineStats, RequestProgress
 
 # Longest context the engine allocates RoPE tables for when the model allows more.
 _DEFAULT_MAX_MODEL_LEN = 8192
@@ -49,7 +30,13 @@ _CHAT_ROLES = ("system", "user", "assistant")  # the server maps "developer" to 
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        make_metrics: Callable[[str], MetricsSink] = NullMetricsRegistry,
+    ) -> None:
+        """`make_metrics(model_name)` builds the metrics sink (the null one by default; LLM and
+        EngineService pass a Prometheus registry's factory: engine/telemetry/prom_null.py)."""
         self.config = config
         self.source = resolve_model(config.model)
         self.model_name = self.source.name
@@ -91,13 +78,18 @@ class LLMEngine:
             weight_bytes_per_param=self.runner.dtype.itemsize,
             kv_bytes_per_element=self.runner.dtype.itemsize,
         )
-        self.step_history: RingBuffer[StepStats] = RingBuffer(config.step_history_len)
-        self.finished_history: RingBuffer[FinishedRequest] = RingBuffer(config.request_history_len)
-        self.metrics_registry = EngineMetricsRegistry(model_name=self.model_name)
+        self.metrics_registry = make_metrics(self.model_name)  # /metrics renders it
+        self.recorder = StepRecorder(
+            self.shape,
+            self.scheduler,
+            self.block_manager,
+            self.metrics_registry,
+            step_history_len=config.step_history_len,
+            request_history_len=config.request_history_len,
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        self.proposer = NgramProposer(config) if config.speculative_method == "ngram" else None
         self._requests: dict[str, Request] = {}
-        self._num_steps = 0
-        self.num_draft_tokens_total = 0  # speculative tokens proposed and verified
-        self.num_accepted_tokens_total = 0  # of those, accepted
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.source.arch.eos_token_ids)
@@ -183,7 +175,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=max_total,
         )
-        init_offsets(request)
+        self.outputs.start(request)
         return request
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
@@ -209,7 +201,8 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        return self._finalize(request, new_token_ids=[])
+        self._release([request])
+        return self.outputs.final_output(request)
 
     def abort_all(self, error: str | None = None) -> list[RequestOutput]:
         outputs = []
@@ -223,178 +216,39 @@ class LLMEngine:
     @property
     def num_steps(self) -> int:
         """Steps run since start-up."""
-        return self._num_steps
+        return self.recorder.num_steps
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # --- one step ---
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
-        if self.config.speculative_method == "ngram":
-            self._propose_drafts()
-        sched = self.scheduler.schedule()
+        start_time = time.perf_counter()
+        drafts = self.proposer.propose(self.scheduler.running) if self.proposer else {}
+        sched = self.scheduler.schedule(drafts)
         if sched.is_empty:
             return []
-        # The step's shape, taken before update() advances num_computed_tokens.
-        num_new = [s.num_new_tokens for s in sched.scheduled]
-        context = [s.request.num_computed_tokens + s.num_new_tokens for s in sched.scheduled]
-        num_logits = sum(s.samples + s.num_draft_tokens for s in sched.scheduled)
-        cost = step_cost(self.shape, num_new, context, num_logits)
-        drafts = {s.request.request_id: s.num_draft_tokens for s in sched.scheduled}
-        num_decode_reqs = sum(s.is_decode for s in sched.scheduled)
+        start = self.recorder.start_step(sched, start_time)  # before update() advances requests
         sampled = self.runner.execute(sched)
         self.runner.synchronize()
-        now = time.perf_counter()
-        touched = self.scheduler.update(sched, sampled, now)
-        outputs = [self._output_for(request) for request in touched]
-        # Drafts verified this step, and how many were accepted (tokens appended minus one).
-        num_drafts = sum(drafts.values())
-        num_accepted = sum(
-            max(0, len(tokens) - 1) for rid, tokens in sampled.items() if drafts.get(rid)
-        )
-        self._record_step(
-            sched, cost, start, time.perf_counter(), num_decode_reqs, num_drafts, num_accepted
-        )
+        touched = self.scheduler.update(sched, sampled, time.perf_counter())
+        outputs = self.outputs.process(touched)  # may finish requests (stop strings)
+        self._release([request for request in touched if request.finished])
+        self.recorder.record_step(start, sched, sampled, time.perf_counter())
         return outputs
 
-    def _propose_drafts(self) -> None:
-        """N-gram drafts for every running request that is decoding (spec_decode.py), capped
-        so that even if all are accepted the request stays within max_tokens and
-        max_model_len."""
-        config = self.config
-        for request in self.scheduler.running:
-            if request.num_computed_tokens + 1 != request.num_tokens:
-                continue  # still prefilling
-            room = min(
-                config.num_speculative_tokens,
-                request.params.max_tokens - request.num_output_tokens - 1,
-                request.max_total_tokens - request.num_tokens - 1,
-            )
-            request.draft_token_ids = propose_ngram(
-                request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
-            )
-
-    def _output_for(self, request: Request) -> RequestOutput:
-        if self.tokenizer is not None:
-            self._detokenize(request)
-        num_new = request.num_new_output_tokens  # 1, or more after verified drafts
-        new_token_ids = request.output_token_ids[len(request.output_token_ids) - num_new :]
-        if request.finished:
-            return self._finalize(request, new_token_ids)
-        return self._delta(request, new_token_ids)
-
-    def _detokenize(self, request: Request) -> None:
-        """Extend the request's text with this step's tokens; end it at a stop string.
-
-        Several tokens (verified drafts) are taken one at a time when stop strings are set,
-        so that the request ends at the token that completed the stop string and the tokens
-        after it are dropped, exactly as one-token decoding would have ended it."""
-        num_new = request.num_new_output_tokens
-        if num_new <= 1 or not request.params.stop:
-            self._extend_text(request, final=request.finished)
-            return
-        tokens = request.output_token_ids[-num_new:]
-        del request.output_token_ids[-num_new:]
-        for i, token in enumerate(tokens):
-            request.output_token_ids.append(token)
-            if self._extend_text(request, final=request.finished and i == num_new - 1):
-                dropped = num_new - 1 - i
-                if dropped:
-                    del request.metrics.token_times[-dropped:]
-                    request.num_new_output_tokens -= dropped
-                    request.metrics.num_output_tokens -= dropped
-                return
-
-    def _extend_text(self, request: Request, final: bool) -> bool:
-        """Detokenize up to the last output token; True when a stop string ended the request."""
-        new_text = detokenize_new(self.tokenizer, request, final=final)
-        params = request.params
-        cut = find_stop(request.output_text, params.stop, len(new_text)) if new_text else None
-        if cut is None:
-            return False
-        request.output_text = request.output_text[:cut]
-        if request.finished:  # the same token also hit a length limit: stop wins
-            request.status = RequestStatus.FINISHED_STOPPED
-        else:
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        return True
-
-    def _delta(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
-        # While streaming, hold back text that could be the start of a stop string.
-        sendable = len(request.output_text)
-        if request.params.stop and not request.finished:
-            sendable -= stop_holdback(request.params.stop)
-        sent = request.num_text_chars_sent
-        new_text = request.output_text[sent:sendable] if sendable > sent else ""
-        request.num_text_chars_sent = max(sent, sendable)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=request.output_text[: request.num_text_chars_sent],
-            new_token_ids=new_token_ids,
-            new_text=new_text,
-            finished=request.finished,
-            finish_reason=request.finish_reason,
-            metrics=request.metrics,
-        )
-
-    def _finalize(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
-        self._requests.pop(request.request_id, None)
-        self.runner.release(request.request_id)
-        reason = request.finish_reason or "abort"
-        self.finished_history.append(FinishedRequest(request.request_id, reason, request.metrics))
-        self.metrics_registry.observe_finished(request.metrics, reason)
-        return self._delta(request, new_token_ids)
-
-    def _record_step(
-        self, sched: SchedulerOutput, cost: StepCost, start: float, end: float,
-        num_decode_reqs: int, num_drafts: int, num_accepted: int,
-    ) -> None:  # fmt: skip
-        bm = self.block_manager
-        stats = StepStats(
-            step_index=self._num_steps,
-            start_time=start,
-            duration_s=end - start,
-            kind=step_kind(sched.num_prefill_tokens, sched.num_decode_tokens),
-            num_prefill_tokens=sched.num_prefill_tokens,
-            num_decode_tokens=sched.num_decode_tokens,
-            num_prefill_reqs=len(sched.scheduled) - num_decode_reqs,
-            num_decode_reqs=num_decode_reqs,
-            batch_size=len(sched.scheduled),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preemptions=len(sched.preempted_ids),
-            num_blocks_used=bm.num_used_blocks,
-            num_blocks_free=bm.num_free_blocks,
-            num_kv_blocks=bm.num_blocks,
-            flops=cost.flops,
-            bytes_moved=cost.bytes_moved,
-            num_blocks_cached=bm.num_cached_blocks if bm.enable_prefix_caching else 0,
-            num_prefix_query_tokens=sched.num_prefix_query_tokens,
-            num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
-            num_draft_tokens=num_drafts,
-            num_accepted_tokens=num_accepted,
-        )
-        if num_drafts:
-            self.num_draft_tokens_total += num_drafts
-            self.num_accepted_tokens_total += num_accepted
-            self.metrics_registry.observe_spec_decode(num_drafts, num_accepted)
-        if sched.num_prefix_query_tokens:
-            self.scheduler.num_prefix_query_tokens_total += sched.num_prefix_query_tokens
-            self.scheduler.num_prefix_hit_tokens_total += sched.num_prefix_hit_tokens
-            self.metrics_registry.observe_prefix_cache(
-                sched.num_prefix_query_tokens, sched.num_prefix_hit_tokens
-            )
-        self._num_steps += 1
-        self.step_history.append(stats)
-        self.metrics_registry.observe_step(stats)
+    def _release(self, finished: Iterable[Request]) -> None:
+        """Forget finished requests: drop the runner's per-request state, record them."""
+        for request in finished:
+            self._requests.pop(request.request_id, None)
+            self.runner.release(request.request_id)
+            reason = request.finish_reason or "abort"
+            self.recorder.record_finished(request.request_id, reason, request.metrics)
 
     # --- snapshots ---
     def stats(self) -> EngineStats:
         """Cheap and lock-free: counters plus copies of the ring buffers."""
+        recorder = self.recorder
         return EngineStats(
             num_kv_blocks=self.block_manager.num_blocks,
             num_free_kv_blocks=self.block_manager.num_free_blocks,
@@ -403,15 +257,15 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions_total=self.scheduler.num_preemptions_total,
-            num_prefix_query_tokens_total=self.scheduler.num_prefix_query_tokens_total,
-            num_prefix_hit_tokens_total=self.scheduler.num_prefix_hit_tokens_total,
+            num_prefix_query_tokens_total=recorder.num_prefix_query_tokens_total,
+            num_prefix_hit_tokens_total=recorder.num_prefix_hit_tokens_total,
             num_cached_kv_blocks=self.block_manager.num_cached_blocks,
             num_prefix_evictions_total=self.block_manager.num_evictions_total,
-            num_draft_tokens_total=self.num_draft_tokens_total,
-            num_accepted_tokens_total=self.num_accepted_tokens_total,
-            num_steps_total=self._num_steps,
-            steps=self.step_history.snapshot(),
-            finished=self.finished_history.snapshot(),
+            num_draft_tokens_total=recorder.num_draft_tokens_total,
+            num_accepted_tokens_total=recorder.num_accepted_tokens_total,
+            num_steps_total=recorder.num_steps,
+            steps=recorder.step_history.snapshot(),
+            finished=recorder.finished_history.snapshot(),
         )
 
     def block_snapshot(self) -> BlockSnapshot:

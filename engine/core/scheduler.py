@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
@@ -26,13 +27,21 @@ from engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens to compute this step, from request.num_computed_tokens
+    """One request's work in a step. Built by the scheduler, read by the model runner, the
+    scheduler's update() and the step recorder; nobody changes it after schedule()."""
+
+    request: Request  # the engine's request (tokens, params, num_computed_tokens)
+    # Tokens to compute this step, from request.num_computed_tokens; drafts included.
+    num_new_tokens: int
     block_table: list[int]  # the request's KV blocks (a live view, not a copy)
+    # Speculative tokens guessed to follow the request's last token, fed after it and
+    # verified by this step: the proposer's draft cut to the step's token budget.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        """Whether this step reaches the end of the known tokens, so a new token is sampled.
+        (Read before update() advances the request.)"""
         req = self.request
         return req.num_computed_tokens + self.num_new_tokens >= req.num_tokens
 
@@ -46,12 +55,14 @@ class ScheduledRequest:
     @property
     def num_draft_tokens(self) -> int:
         """Speculative tokens scheduled past the known ones (verified by this step)."""
-        req = self.request
-        return max(0, req.num_computed_tokens + self.num_new_tokens - req.num_tokens)
+        return len(self.draft_token_ids)
 
 
 @dataclass
 class SchedulerOutput:
+    """What one step computes: the scheduler's single message to the model runner."""
+
+    # Requests with work this step: running ones oldest first, then newly admitted ones.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)  # preempted during this step
     num_prefill_tokens: int = 0  # tokens of requests with more than one new token
@@ -59,10 +70,6 @@ class SchedulerOutput:
     # Prefix cache, for requests admitted this step: tokens looked up, tokens found cached.
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -87,9 +94,6 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
-        # Prefix cache, over all admissions: prompt tokens looked up / found cached.
-        self.num_prefix_query_tokens_total = 0
-        self.num_prefix_hit_tokens_total = 0
 
     # --- queue management ---
     def add_request(self, request: Request) -> None:
@@ -119,7 +123,10 @@ class Scheduler:
         self.block_manager.free(request.request_id)
 
     # --- one step ---
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, list[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's work. `drafts` maps request ids to speculative tokens (from the
+        proposer); a decoding request verifies as many of its draft as the budget leaves."""
+        drafts = drafts or {}
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         if self.static and not self.running:
@@ -133,13 +140,12 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            if num_new == 1 and request.draft_token_ids:  # decode: verify the drafts too
-                request.draft_token_ids = request.draft_token_ids[: budget - 1]
-                num_new += len(request.draft_token_ids)
+            draft = drafts.get(request.request_id, [])[: budget - 1] if num_new == 1 else []
+            num_new += len(draft)  # decode: verify the draft too
             target = request.num_computed_tokens + num_new
             if not self._reserve(request, target, out):
                 break  # the request preempted itself; nothing after it can run either
-            self._add(out, request, num_new)
+            self._add(out, request, num_new, draft)
             budget -= num_new
             i += 1
 
@@ -230,18 +236,18 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.draft_token_ids = []
         request.metrics.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
         out.preempted_ids.append(request.request_id)
 
-    def _add(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add(
+        self, out: SchedulerOutput, request: Request, num_new: int, draft: list[int] | None = None
+    ) -> None:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.perf_counter()
-        item = ScheduledRequest(
-            request, num_new, self.block_manager.block_table(request.request_id)
-        )
+        table = self.block_manager.block_table(request.request_id)
+        item = ScheduledRequest(request, num_new, table, draft or [])
         out.scheduled.append(item)
         if item.is_decode:
             out.num_decode_tokens += num_new
@@ -265,11 +271,9 @@ class Scheduler:
                 continue  # preempted later in the same step (its work is discarded)
             tokens = sampled.get(request.request_id, [])
             # K/V stay valid up to the last accepted draft; rejected drafts' slots get
-            # overwritten later (no attention reads past num_computed_tokens). num_draft_tokens
-            # reads the request, so it is taken before the request advances below.
+            # overwritten later (no attention reads past num_computed_tokens).
             num_rejected = item.num_draft_tokens - max(0, len(tokens) - 1)
             request.num_computed_tokens += item.num_new_tokens - num_rejected
-            request.draft_token_ids = []
             status = None
             for token in tokens:
                 request.output_token_ids.append(token)

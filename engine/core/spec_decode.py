@@ -20,13 +20,42 @@ So a step yields 1 to k + 1 tokens for the cost of one forward pass over k + 1 p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from engine.request import SamplingParams
+from engine.config import EngineConfig
+from engine.request import Request, SamplingParams
 from engine.runner.sampler import apply_repetition_penalty, logits_to_probs
+
+
+class NgramProposer:
+    """Drafts for the requests about to decode; the scheduler carries them to the runner in
+    ScheduledRequest.draft_token_ids (cut to the step's token budget)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, running: Iterable[Request]) -> dict[str, list[int]]:
+        """Request id -> draft for every running request that is decoding (none for those
+        still prefilling, or without a recurring suffix), capped so that even if all are
+        accepted the request stays within max_tokens and max_model_len."""
+        drafts = {}
+        for request in running:
+            if request.num_computed_tokens + 1 != request.num_tokens:
+                continue  # still prefilling
+            room = min(
+                self.num_speculative_tokens,
+                request.params.max_tokens - request.num_output_tokens - 1,
+                request.max_total_tokens - request.num_tokens - 1,
+            )
+            draft = propose_ngram(request.all_token_ids, room, self.min_n, self.max_n)
+            if draft:
+                drafts[request.request_id] = draft
+        return drafts
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:

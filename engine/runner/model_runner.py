@@ -314,7 +314,7 @@ class ModelRunner:
 
 def _draft_ids(scheduled: ScheduledRequest) -> list[int]:
     """The speculative tokens this step verifies for the request (the one place they are read)."""
-    return scheduled.request.draft_token_ids[: scheduled.num_draft_tokens]
+    return scheduled.draft_token_ids
 
 
 def _init_random_weights(model: LlamaForCausalLM, seed: int) -> None:

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockSnapshot
 from engine.core.engine import LLMEngine, Prompt
 from engine.request import Request, RequestOutput, SamplingParams
+from engine.telemetry.prom_null import new_metrics_registry
 from engine.telemetry.stats import EngineStats, RequestProgress
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class RequestStream:
 class EngineService:
     def __init__(self, config: EngineConfig | None = None, **config_fields: object) -> None:
         self.config = config or EngineConfig(**config_fields)  # type: ignore[arg-type]
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, make_metrics=new_metrics_registry)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len

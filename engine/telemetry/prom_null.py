@@ -1,13 +1,30 @@
-"""A stand-in for EngineMetricsRegistry where prometheus_client is not installed.
+"""A stand-in for EngineMetricsRegistry where prometheus_client is not installed, and the
+choice between the two.
 
 The engine must import on machines that have only torch and triton (the GPU check image);
-there it records no Prometheus series, and says so when asked to render them.
+there it records no Prometheus series, and says so when asked to render them. The engine itself
+never picks Prometheus (engine/core stays free of it): LLMEngine takes a metrics factory, null by
+default, and LLM and EngineService pass `new_metrics_registry`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.request import RequestMetrics
 from engine.telemetry.stats import StepStats
+
+if TYPE_CHECKING:
+    from engine.telemetry.prom import EngineMetricsRegistry
+
+
+def new_metrics_registry(model_name: str = "") -> EngineMetricsRegistry | NullMetricsRegistry:
+    """A Prometheus registry for one engine, or the null one without prometheus_client."""
+    try:
+        from engine.telemetry.prom import EngineMetricsRegistry
+    except ImportError:  # no prometheus_client (GPU check machines have torch + triton only)
+        return NullMetricsRegistry(model_name)
+    return EngineMetricsRegistry(model_name)
 
 
 class NullMetricsRegistry:

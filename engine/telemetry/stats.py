@@ -34,7 +34,8 @@ def step_kind(num_prefill_tokens: int, num_decode_tokens: int) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class StepStats:
-    """What one engine step did; the scheduler emits one per step (keyword-only fields)."""
+    """What one engine step did; the engine's StepRecorder (engine/telemetry/recorder.py)
+    records one per step (keyword-only fields)."""
 
     step_index: int  # 0, 1, 2, ... since the engine started
     start_time: float  # time.perf_counter() seconds at the start of the step
@@ -191,10 +192,6 @@ class EngineStats:
     finished: list[FinishedRequest] = field(default_factory=list)  # most recent last
 
     @property
-    def num_used_kv_blocks(self) -> int:
-        return self.num_kv_blocks - self.num_free_kv_blocks
-
-    @property
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of looked-up prompt tokens found in the prefix cache (0 when none)."""
         queries = self.num_prefix_query_tokens_total
@@ -205,7 +202,3 @@ class EngineStats:
         """Fraction of verified draft tokens that were accepted (0 when none)."""
         drafts = self.num_draft_tokens_total
         return self.num_accepted_tokens_total / drafts if drafts else 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.num_used_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
