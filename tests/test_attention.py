@@ -1,5 +1,5 @@
-"""The engine's torch attention path (head-major cache) against the kernels' torch references
-(kernel layout): same cache contents, same outputs."""
+"""The engine's attention backends against the kernels' torch references (kernel layout): same
+cache contents, same outputs; the torch backend's pieces (head-major cache) one by one."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import itertools
 import pytest
 import torch
 
+from engine.runner.attention.base import AttentionInputs
 from engine.runner.attention.torch_backend import (
     DecodeGroup,
     TorchAttentionMetadata,
+    TorchBackend,
     gather_rows,
     split_by_length,
     store_rows,
     torch_attention,
 )
+from engine.runner.attention.triton_backend import TritonBackend
 from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM = 64, 16, 3, 3, 64
@@ -119,3 +122,50 @@ def test_split_by_length_cuts_padding_only_when_it_pays():
     groups = split_by_length(many, max_groups=4)
     assert len(groups) <= 4 and groups[0][0] == 0 and groups[-1][1] == 64
     assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+
+
+@pytest.mark.parametrize("backend_cls", [TorchBackend, TritonBackend])
+def test_backends_through_the_interface_match_the_reference(backend_cls):
+    """A step as the runner hands it over (decodes first, then a whole prompt and a chunk):
+    each backend lays out its own cache, builds its own metadata and matches the reference."""
+    gen = torch.Generator().manual_seed(2)
+    decode_lens, q_lens, ctx_lens = [9, 40, 120], [12, 20], [12, 53]
+    tables = _tables(decode_lens + ctx_lens, gen).tolist()
+    backend = backend_cls(NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    layout = backend.kv_cache_shape(NUM_BLOCKS)
+    kernel_cache, head_major = _caches(torch.float32, gen)
+    kv_cache = kernel_cache if layout == kernel_cache[0].shape else head_major
+    assert layout in (kernel_cache[0].shape, head_major[0].shape)
+    new_positions = [[n - 1] for n in decode_lens] + [
+        list(range(n - q, n)) for n, q in zip(ctx_lens, q_lens, strict=True)
+    ]
+    slots = torch.tensor([
+        t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for t, ps in zip(tables, new_positions, strict=True) for p in ps
+    ])  # fmt: skip
+    inputs = AttentionInputs(
+        slot_mapping=slots, decode_seq_lens=decode_lens, decode_block_tables=tables[:3],
+        prefill_q_lens=q_lens, prefill_ctx_lens=ctx_lens, prefill_block_tables=tables[3:],
+    )  # fmt: skip
+    total = len(slots)
+    q = torch.randn(total, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
+    k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    meta = backend.build_metadata(inputs, [kv_cache])
+    out = backend.forward(q, k, v, kv_cache, meta, HEAD_DIM**-0.5)
+
+    # The reference: store in the kernels' layout, then decode and prefill attention.
+    for cache, new in zip(kernel_cache, (k, v), strict=True):
+        cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = new
+    width = max(len(t) for t in tables)
+    all_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    expected = torch.cat([
+        paged_attention_decode_ref(q[:3], *kernel_cache, all_tables[:3],
+                                   torch.tensor(decode_lens, dtype=torch.int32), HEAD_DIM**-0.5),
+        paged_attention_prefill_ref(q[3:], *kernel_cache, all_tables[3:],
+                                    torch.tensor(ctx_lens, dtype=torch.int32),
+                                    torch.tensor([0, 12, 32], dtype=torch.int32), HEAD_DIM**-0.5),
+    ])  # fmt: skip
+    assert _rel_err(out, expected) < 1e-5
+    if kv_cache is head_major:
+        assert torch.equal(head_major[0].permute(1, 2, 0, 3), kernel_cache[0])
