@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import gradio as gr
@@ -97,7 +98,7 @@ def build_app(
     return demo
 
 
-def _timers_follow_tabs(uis: list[Any]) -> None:
+def _timers_follow_tabs(uis: list[SimpleNamespace]) -> None:
     """Only the open tab's timer ticks: a tab in the background costs the engine nothing."""
     timers = [ui.timer for ui in uis if hasattr(ui, "timer")]
 

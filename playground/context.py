@@ -44,10 +44,12 @@ class AppContext:
         cls, service: EngineClient, make_service: MakeService | None = None
     ) -> AppContext:
         info = engine_info(service)
-        ctx = cls(service=service, info=info, make_service=make_service or _new_service)
-        if ctx.ceilings is None:
-            ctx.ceilings = CeilingsProvider(info.device)
-        return ctx
+        return cls(
+            service=service,
+            info=info,
+            ceilings=CeilingsProvider(info.device),
+            make_service=make_service or _new_service,
+        )
 
     @classmethod
     def for_remote(cls, remote: RemoteServer) -> AppContext:

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from playground.loadgen.metrics import (
     LoadTestResult,
@@ -31,12 +31,16 @@ from playground.loadgen.targets import EngineTarget, OpenAITarget, Target
 from playground.loadgen.workload import (
     GenRequest,
     LengthDist,
+    Tokenizer,
     WorkloadSpec,
     arrival_offsets_s,
     build_requests,
     build_warmup_requests,
 )
 from playground.remote.client import RemoteServer
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 # on_progress(done, total, last_result); may be a plain function or a coroutine function.
 ProgressCallback = Callable[[int, int, RequestResult], Any]
@@ -240,7 +244,7 @@ def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
     )
 
 
-def engine_config_from_args(model: str, items: list[str]) -> Any:
+def engine_config_from_args(model: str, items: list[str]) -> EngineConfig:
     """EngineConfig(model=..., KEY=VALUE...), each value parsed as its field's default's type."""
     from engine import EngineConfig
 
@@ -264,8 +268,10 @@ def engine_config_from_args(model: str, items: list[str]) -> Any:
     return EngineConfig(**changes)
 
 
-def load_tokenizer(name: str) -> Any:
-    """A tokenizer for an engine model spec (embedded model, folder, GGUF) or a HF name."""
+def load_tokenizer(name: str) -> Tokenizer | None:
+    """A tokenizer for an engine model spec (embedded model, folder, GGUF) or a HF name; None
+    for a model folder that ships none. The engine's loader imports torch: load-test prompts
+    in remote mode pay for it only when they are built."""
     with contextlib.suppress(Exception):  # not a spec the engine knows: try Hugging Face
         from engine.runner.model_loader import load_tokenizer as engine_tokenizer
         from engine.runner.model_loader import resolve_model
