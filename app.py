@@ -13,48 +13,19 @@ import logging
 import os
 import sys
 
+from engine.cli import add_engine_args, config_from_args
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="The inference playground: a Gradio UI over our own LLM inference engine."
     )
-    p.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="smollm2-135m (embedded), a local Hugging Face folder, a .gguf file, or "
-        "random:<preset> (default: %(default)s)",
-    )
-    p.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="auto = CUDA when available, else CPU",
-    )
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (%(default)s)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also open a public Gradio share link")
-    p.add_argument("--max-model-len", type=int, default=None, help="context cap in tokens")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share the KV blocks of prompt prefixes seen before (a chat's earlier turns)",
-    )
-    p.add_argument(
-        "--speculative-method",
-        choices=("off", "ngram"),
-        default="off",
-        help="ngram: prompt-lookup drafts verified k at a time (greedy output unchanged)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="CUDA: fraction of device memory for weights + KV (leave room for the Compare "
-        "tab's engines with big models)",
-    )
+    # The playground differs from EngineConfig in one default: a chat's earlier turns are
+    # cached, as every serving engine does today.
+    add_engine_args(p, defaults={"enable_prefix_caching": True})
     remote = p.add_argument_group(
         "remote mode",
         "point the playground at an OpenAI-compatible server instead (our "
@@ -104,21 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         return run_remote(args)
     # Imported after parsing so that --help answers at once.
-    from engine import EngineConfig
     from engine.serving.service import EngineService
     from playground.app import build_app, launch
 
     try:
-        config = EngineConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            num_kv_blocks=args.num_kv_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-            speculative_method=args.speculative_method,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        )
+        config = config_from_args(args)
         service = EngineService(config)
     except (ValueError, OSError) as e:  # a bad flag or --model path: one line, no traceback
         print(f"error: {e}", file=sys.stderr)

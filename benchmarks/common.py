@@ -1,9 +1,10 @@
-"""What the benchmark scripts (bench.py, bench_prefix.py, bench_spec.py) share: the common
-flags, running prompts one at a time, and printing the JSON report (writing it with --json)."""
+"""What the benchmark scripts (throughput, prefix, spec) share: the engine flags, running
+prompts one at a time, and printing the JSON report (writing it with --json)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
@@ -11,21 +12,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.cli import add_engine_args
+from engine.config import EngineConfig
 from engine.core.engine import Prompt
 from engine.llm import LLM
 from engine.request import RequestOutput, SamplingParams
 from engine.telemetry.stats import StepStats
 
+# Every benchmark measures in bfloat16 unless told otherwise (EngineConfig's "auto" is the same
+# on the engine, but a benchmark's JSON and HF's side need the name).
+BENCH_DEFAULTS = {"dtype": "bfloat16"}
+# Engine fields no benchmark takes as a flag: a benchmark's own --seed seeds its workload, and
+# its greedy outputs need no sampling seed (the engine keeps EngineConfig's).
+BENCH_EXCLUDED = ("seed",)
 
-def bench_parser(doc: str) -> argparse.ArgumentParser:
-    """A parser with --model, --device, --dtype and --json; the script adds its own flags.
+
+def bench_parser(doc: str, exclude: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """A parser with every EngineConfig flag (engine/cli.py) except `exclude` (the fields the
+    benchmark varies itself), plus --json; the script adds its own flags.
     --help prints the script's whole docstring (what it measures and how)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    add_engine_args(p, defaults=BENCH_DEFAULTS, exclude=(*BENCH_EXCLUDED, *exclude))
     p.add_argument("--json", type=Path, help="also write the JSON here")
     return p
+
+
+def config_report(config: EngineConfig) -> dict:
+    """The engine settings of a run, for the JSON report (the model is reported apart)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
 
 
 def emit(report: dict, path: Path | None) -> None:
@@ -45,11 +59,11 @@ class SequentialRun:
 
 
 def run_one_at_a_time(
-    config: dict, prompts: Sequence[Prompt], params: SamplingParams
+    config: EngineConfig, prompts: Sequence[Prompt], params: SamplingParams
 ) -> SequentialRun:
     """Build an engine from `config`, warm it up, then send each prompt when the previous one
     has finished (a chat user, an agent loop); the engine is released after."""
-    llm = LLM(**config)
+    llm = LLM(**dataclasses.asdict(config))
     llm.generate([[101, 102, 103, 104]], SamplingParams(max_tokens=2))  # warm-up
     first_step = llm.engine.num_steps
     outputs: list[RequestOutput] = []

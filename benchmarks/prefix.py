@@ -14,17 +14,20 @@ ratios, plus a check that both runs produced the same tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 
-from benchmarks.common import bench_parser, emit, run_one_at_a_time
+from benchmarks.common import bench_parser, config_report, emit, run_one_at_a_time
+from engine.cli import config_from_args
+from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.telemetry.stats import latency_summary
 
 
 def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
+    rng = random.Random(args.workload_seed)
     prefix = [rng.randrange(100, vocab_size) for _ in range(args.prefix_len)]
     return [
         prefix + [rng.randrange(100, vocab_size) for _ in range(rng.randint(*args.suffix_len))]
@@ -32,17 +35,13 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     ]
 
 
-def measure(args: argparse.Namespace, prompts: list[list[int]], caching: bool) -> dict:
-    config = dict(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        enable_prefix_caching=caching, max_num_batched_tokens=args.max_num_batched_tokens,
-    )  # fmt: skip
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+def measure(config: EngineConfig, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     run = run_one_at_a_time(config, prompts, params)
     ttft = latency_summary([o.metrics.ttft_s for o in run.outputs])
     return {
-        "prefix_caching": caching,
-        "config": {k: v for k, v in config.items() if k != "model"},
+        "prefix_caching": config.enable_prefix_caching,
+        "config": config_report(config),
         "duration_s": round(run.duration_s, 3),
         "prompt_tokens": sum(len(p) for p in prompts),
         "prompt_tokens_computed": sum(s.num_prefill_tokens for s in run.steps),
@@ -53,22 +52,28 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], caching: bool) -
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = bench_parser(__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    # --enable-prefix-caching is not a flag: the benchmark runs with the cache off, then on.
+    p = bench_parser(__doc__, exclude=("enable_prefix_caching",))
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=512, help="tokens shared by every prompt")
     p.add_argument("--suffix-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    # dest apart from EngineConfig.seed, which config_from_args would take it for.
+    p.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seeds the workload")
+    return p
 
-    probe = LLM(model=args.model, dtype=args.dtype, device=args.device, num_kv_blocks=4)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+
+    probe = LLM(**dataclasses.asdict(config.replace(num_kv_blocks=4)))
     vocab_size = probe.engine.source.arch.vocab_size
     del probe
     prompts = make_prompts(args, vocab_size)
-    off, on = measure(args, prompts, caching=False), measure(args, prompts, caching=True)
+    off = measure(config.replace(enable_prefix_caching=False), prompts, args.output_len)
+    on = measure(config.replace(enable_prefix_caching=True), prompts, args.output_len)
     same_tokens = off.pop("token_ids") == on.pop("token_ids")
     report = {
         "workload": {
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             "suffix_len": args.suffix_len,
             "output_len": args.output_len,
             "arrivals": "one at a time",
-            "seed": args.seed,
+            "seed": args.workload_seed,
         },
         "runs": [off, on],
         "same_tokens": same_tokens,

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.common import bench_parser, emit, run_one_at_a_time
+from benchmarks.common import bench_parser, config_report, emit, run_one_at_a_time
+from engine.cli import config_from_args
+from engine.config import EngineConfig
 from engine.request import SamplingParams
 from engine.telemetry.stats import latency_summary
 
@@ -36,12 +38,8 @@ PROMPTS = [
 ]
 
 
-def measure(args: argparse.Namespace, method: str) -> dict:
-    config = dict(
-        model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=1,
-        speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
-    )  # fmt: skip
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+def measure(config: EngineConfig, output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     run = run_one_at_a_time(config, PROMPTS, params)
     outputs = run.outputs
     decode_steps = [s for s in run.steps if s.kind == "decode"]
@@ -50,8 +48,8 @@ def measure(args: argparse.Namespace, method: str) -> dict:
     drafts = sum(s.num_draft_tokens for s in run.steps)
     accepted = sum(s.num_accepted_tokens for s in run.steps)
     return {
-        "speculative_method": method,
-        "config": {k: v for k, v in config.items() if k != "model"},
+        "speculative_method": config.speculative_method,
+        "config": config_report(config),
         "duration_s": round(run.duration_s, 3),
         "output_tokens": num_tokens,
         "output_tokens_per_s": round(num_tokens / run.duration_s, 2),
@@ -65,13 +63,19 @@ def measure(args: argparse.Namespace, method: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = bench_parser(__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    # Not flags: the benchmark runs drafts off, then n-gram, at batch 1 (max_num_seqs=1).
+    p = bench_parser(__doc__, exclude=("speculative_method", "max_num_seqs"))
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    args = p.parse_args(argv)
+    return p
 
-    off, on = measure(args, "off"), measure(args, "ngram")
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args, max_num_seqs=1)
+
+    off = measure(config.replace(speculative_method="off"), args.output_len)
+    on = measure(config.replace(speculative_method="ngram"), args.output_len)
     a, b = off.pop("token_ids"), on.pop("token_ids")
     report = {
         "workload": {

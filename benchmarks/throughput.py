@@ -13,6 +13,7 @@ Arrivals: all requests are submitted at t=0, so TTFT includes queueing behind ea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import random
 import sys
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_parser, emit
+from benchmarks.common import bench_parser, config_report, emit
+from engine.cli import config_from_args
+from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.telemetry.stats import latency_summary
@@ -39,7 +42,7 @@ class Workload:
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    rng = random.Random(args.seed)
+    rng = random.Random(args.workload_seed)
     # Ids above the special tokens and below the vocab size: plain text tokens.
     prompts = [
         [rng.randrange(100, vocab_size) for _ in range(rng.randint(*args.prompt_len))]
@@ -69,12 +72,9 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def run_ours(args: argparse.Namespace, workload: Workload, batching: str, max_num_seqs: int):
-    config = dict(
-        dtype=args.dtype, batching=batching, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-    )  # fmt: skip
-    llm = LLM(model=args.model, **config)
+def run_ours(config: EngineConfig, workload: Workload) -> tuple[dict, Path | None, str]:
+    """One run of our engine; also returns the weights folder and the resolved dtype (for HF)."""
+    llm = LLM(**dataclasses.asdict(config))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in workload.output_lens]  # fmt: skip
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
@@ -83,15 +83,16 @@ def run_ours(args: argparse.Namespace, workload: Workload, batching: str, max_nu
     duration = time.perf_counter() - start
     assert [len(o.token_ids) for o in outs] == workload.output_lens
     result = summarize(
-        f"ours_{batching}", duration, sum(len(o.token_ids) for o in outs),
+        f"ours_{config.batching}", duration, sum(len(o.token_ids) for o in outs),
         [o.metrics.ttft_s for o in outs], [t for o in outs if (t := o.metrics.tpot_s)],
-        {**config, "num_kv_blocks": llm.stats().num_kv_blocks},
+        {**config_report(config), "num_kv_blocks": llm.stats().num_kv_blocks},
     )  # fmt: skip
     result["num_preemptions"] = llm.stats().num_preemptions_total
     weights_dir = llm.engine.source.weights_dir
+    dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
     del llm
     gc.collect()
-    return result, weights_dir
+    return result, weights_dir, dtype
 
 
 class _StepClock:
@@ -105,10 +106,12 @@ class _StepClock:
         return scores
 
 
-def run_hf(args: argparse.Namespace, workload: Workload, weights_dir: Path) -> dict:
+def run_hf(
+    args: argparse.Namespace, workload: Workload, weights_dir: Path, dtype_name: str
+) -> dict:
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, dtype_name)
     model = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=dtype).eval()
     pad_id = model.config.eos_token_id
     pad_id = pad_id[0] if isinstance(pad_id, list) else (pad_id or 0)
@@ -136,33 +139,35 @@ def run_hf(args: argparse.Namespace, workload: Workload, weights_dir: Path) -> d
     duration = time.perf_counter() - start
     return summarize(
         "hf_static", duration, total, ttfts, tpots,
-        {"dtype": args.dtype, "batch_size": args.hf_batch, "library": "transformers"},
+        {"dtype": dtype_name, "batch_size": args.hf_batch, "library": "transformers"},
     )  # fmt: skip
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = bench_parser(__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    # --batching is not a flag: the benchmark runs continuous, then static (--static-batch).
+    p = bench_parser(__doc__, exclude=("batching",))
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--max-num-seqs", type=int, default=64, help="continuous batching slots")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--static-batch", type=int, default=8, help="our static mode's batch size")
     p.add_argument("--hf-batch", type=int, default=8, help="HF generate's batch size")
     p.add_argument("--skip", nargs="*", default=[], choices=["static", "hf"])
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    # dest apart from EngineConfig.seed, which config_from_args would take it for.
+    p.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seeds the workload")
+    return p
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args, batching="continuous")
     results = {}
-    workload = make_workload(args, _vocab_size(args.model))
-    results["continuous"], weights_dir = run_ours(args, workload, "continuous", args.max_num_seqs)
+    workload = make_workload(args, _vocab_size(config.model))
+    results["continuous"], weights_dir, dtype = run_ours(config, workload)
     if "static" not in args.skip:
-        results["static"], _ = run_ours(args, workload, "static", args.static_batch)
+        static = config.replace(batching="static", max_num_seqs=args.static_batch)
+        results["static"], _, _ = run_ours(static, workload)
     if "hf" not in args.skip and weights_dir is not None:
-        results["hf_static"] = run_hf(args, workload, weights_dir)
+        results["hf_static"] = run_hf(args, workload, weights_dir, dtype)
     cont = results["continuous"]["output_tokens_per_s"]
     report = {
         "benchmark": "benchmarks.throughput",
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
             "num_requests": args.num_requests,
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
-            "seed": args.seed,
+            "seed": args.workload_seed,
             "arrivals": "all at t=0",
             "output_tokens": workload.num_output_tokens,
             "greedy": True,

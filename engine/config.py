@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,6 +18,10 @@ SpeculativeMethod = Literal["off", "ngram"]
 # On CPU the KV cache is sized from a byte budget: 1 GiB holds ~45k tokens of SmolLM2-135M in
 # bfloat16 (30 layers x 3 KV heads x 64 dims x 2 (K,V) x 2 bytes = 23 KiB per token).
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+# max_model_len=None means the model's context length, capped here: the engine allocates RoPE
+# tables and (contiguous layout) per-request KV for this many tokens.
+DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ class EngineConfig:
     # --- scheduling ---
     max_num_seqs: int = 64  # most requests in one step
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
-    max_model_len: int | None = None  # None = the model's context length (capped at 8192)
+    max_model_len: int | None = None  # None = the model's length, capped: DEFAULT_MAX_MODEL_LEN
     batching: Batching = "continuous"
     enable_chunked_prefill: bool = True
 
@@ -60,12 +66,8 @@ class EngineConfig:
     request_history_len: int = 1024  # finished requests kept for latency charts
 
     def __post_init__(self) -> None:
-        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        _check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
-        _check_choice("batching", self.batching, ("continuous", "static"))
-        _check_choice("kv_layout", self.kv_layout, ("paged", "contiguous"))
-        _check_choice("attention_backend", self.attention_backend, ("auto", "triton", "torch"))
-        _check_choice("speculative_method", self.speculative_method, ("off", "ngram"))
+        for name, choices in literal_choices().items():
+            _check_choice(name, getattr(self, name), choices)
         _check_positive("num_speculative_tokens", self.num_speculative_tokens)
         _check_positive("prompt_lookup_max", self.prompt_lookup_max)
         _check_positive("prompt_lookup_min", self.prompt_lookup_min)
@@ -122,6 +124,18 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def literal_choices() -> dict[str, tuple[str, ...]]:
+    """Field name -> allowed values, for every field typed as a Literal (the one source of the
+    choices: validation here and argparse's choices in engine/cli.py)."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {
+        name: typing.get_args(hint)
+        for name, hint in hints.items()
+        if typing.get_origin(hint) is Literal
+    }
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -19,8 +19,6 @@ import socket
 import sys
 import threading
 import time
-import types
-import typing
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,6 +31,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.cli import add_engine_args, config_from_args
+from engine.config import DEFAULT_MAX_MODEL_LEN
 from engine.serving import streams as server_streams
 from engine.serving.protocol import (
     APIError,
@@ -244,7 +244,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 def _max_model_len(service: Any) -> int:
     """The context length the engine enforces (prompt + output tokens)."""
     resolved = getattr(service, "max_model_len", None) or service.config.max_model_len
-    return int(resolved or 8192)
+    return int(resolved or DEFAULT_MAX_MODEL_LEN)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -308,27 +308,6 @@ class BackgroundServer:
         self._sock.close()
 
 
-def _engine_config_args(parser: argparse.ArgumentParser) -> None:
-    """One --flag per EngineConfig field (so the CLI never lags the config)."""
-    from engine.config import EngineConfig
-
-    hints = typing.get_type_hints(EngineConfig)
-    for f in EngineConfig.__dataclass_fields__.values():
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None -> X
-            hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        kind = hint
-        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"(default {f.default})"}
-        if typing.get_origin(kind) is typing.Literal:
-            kwargs["choices"] = typing.get_args(kind)
-        elif kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif kind in (int, float):
-            kwargs["type"] = kind
-        parser.add_argument(flag, **kwargs)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m engine.serving.server",
@@ -339,17 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     p.add_argument("--served-model-name", default=None, help="name for 'model' (default: model)")
     p.add_argument("--log-level", default="info")
-    _engine_config_args(p)
+    add_engine_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine import EngineConfig, EngineService
-
     args = build_parser().parse_args(argv)
-    fields = EngineConfig.field_names()
+    from engine import EngineService  # after parsing, so that --help answers at once
+
     try:
-        config = EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+        config = config_from_args(args)
         service = EngineService(config)
     except (ValueError, OSError) as e:  # a bad flag or --model path: one line, no traceback
         print(f"error: {e}", file=sys.stderr)

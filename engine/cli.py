@@ -1,0 +1,107 @@
+"""Engine flags for every command line (app.py, the server, the benchmarks), derived from
+EngineConfig's fields so that no CLI lags the config: one --flag per field, its type from the
+annotation, choices from the Literal, and one help text per field here.
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p, defaults={"enable_prefix_caching": True})   # this CLI's own default
+    config = config_from_args(p.parse_args())
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, literal_choices
+
+# One help line per EngineConfig field (a test checks that none is missing).
+FLAG_HELP: dict[str, str] = {
+    "model": "smollm2-135m (embedded), a local Hugging Face folder, a .gguf file, or "
+    "random:<preset>[,key=value...]",
+    "device": "auto = CUDA when available, else CPU",
+    "dtype": "weights and KV cache; auto = bfloat16 (float32 is for parity tests)",
+    "seed": "seeds unseeded requests' sampling and random:<preset> weights",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV pool size in blocks (default: sized from memory)",
+    "kv_cache_memory_bytes": "CPU: bytes of the KV cache budget",
+    "gpu_memory_utilization": "CUDA: fraction of device memory for weights + KV (leave room "
+    "for the Compare tab's engines with big models)",
+    "kv_layout": "paged, or contiguous: each request reserves max_model_len tokens up front "
+    "(the pre-PagedAttention baseline)",
+    "enable_prefix_caching": "share the KV blocks of prompt prefixes seen before (a chat's "
+    "earlier turns)",
+    "max_num_seqs": "most requests in one step",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
+    "max_model_len": "context cap in tokens (default: the model's context length, at most "
+    f"{DEFAULT_MAX_MODEL_LEN})",
+    "batching": "continuous, or static: a batch is admitted when the previous one has finished",
+    "enable_chunked_prefill": "split long prompts into chunks under the step's token budget",
+    "speculative_method": "ngram: prompt-lookup drafts verified k at a time (greedy output "
+    "unchanged)",
+    "num_speculative_tokens": "draft tokens proposed per request and step",
+    "prompt_lookup_max": "ngram drafts: longest suffix looked up (tokens)",
+    "prompt_lookup_min": "ngram drafts: shortest suffix looked up (tokens)",
+    "attention_backend": "auto = Triton kernels on CUDA, the torch reference on CPU",
+    "enforce_eager": "turn CUDA graphs off",
+    "num_threads": "CPU torch threads (default: all cores)",
+    "step_history_len": "engine steps kept for the live charts",
+    "request_history_len": "finished requests kept for the latency charts",
+}
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser,
+    defaults: Mapping[str, Any] | None = None,
+    exclude: Collection[str] = (),
+) -> None:
+    """One --flag per EngineConfig field, except those in `exclude` (fields the CLI sets itself).
+
+    `defaults` are this CLI's own defaults where they differ from EngineConfig's. A flag with
+    neither given on the command line nor in `defaults` stays out of the parsed namespace
+    (argparse.SUPPRESS), so config_from_args leaves EngineConfig's default in force.
+    """
+    defaults = dict(defaults or {})
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    unknown = (set(defaults) | set(exclude)) - set(fields)
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[0]}: not an EngineConfig field")
+    hints = typing.get_type_hints(EngineConfig)
+    choices = literal_choices()
+    group = parser.add_argument_group("engine", "EngineConfig fields (engine/config.py)")
+    for name, f in fields.items():
+        if name in exclude:
+            continue
+        default = defaults.get(name, f.default)
+        # None defaults are explained by the help line itself ("default: sized from memory").
+        shown = "" if default is None else f" (default: {default})"
+        kwargs: dict[str, Any] = {
+            "default": defaults.get(name, argparse.SUPPRESS),
+            "help": FLAG_HELP[name] + shown,
+        }
+        kind = _without_none(hints[name])
+        if name in choices:
+            kwargs["choices"] = choices[name]
+        elif kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind in (int, float):
+            kwargs["type"] = kind
+        group.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The EngineConfig of the parsed engine flags (plus `overrides`, fields the CLI sets).
+    Raises ValueError naming the field when a value is invalid."""
+    names = EngineConfig.field_names()
+    given = {k: v for k, v in vars(args).items() if k in names}
+    return EngineConfig(**{**given, **overrides})
+
+
+def _without_none(hint: Any) -> Any:
+    """X from `X | None`; any other hint unchanged."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
