@@ -228,7 +228,8 @@ def test_bad_chat_parameters_get_400(client, model, change, field):
 
 
 def test_malformed_bodies_unknown_routes_and_methods(server):
-    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json")
+    json_type = {"Content-Type": "application/json"}  # else 415 (see test_server_hardening)
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers=json_type)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

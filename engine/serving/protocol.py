@@ -1,16 +1,18 @@
 """The OpenAI API's shapes: request models (pydantic), response/chunk builders and errors.
 
 Unknown request fields are accepted and ignored (clients send vendor extensions through
-`extra_body`); fields we cannot honor are rejected with a 400 naming the field.
+`extra_body`); fields we cannot honor are rejected with a 400 naming the field. Types are
+strict (JSON's own types only: `true` is no integer, `"4"` no number, `1.0` no token id) and
+numbers are bounded here already, so nonsense never reaches SamplingParams or the engine.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class APIError(Exception):
@@ -61,11 +63,54 @@ def from_validation_error(err: ValidationError) -> APIError:
     return bad_request("; ".join(dict.fromkeys(parts)), param=first_param)
 
 
+def unencodable_string(obj: Any) -> str | None:
+    """The path ("messages.0.content") of the first string or key in a parsed JSON body that
+    is not valid Unicode text (a lone surrogate such as "\\ud800", which JSON can escape but
+    UTF-8 cannot encode: the tokenizer and the JSON encoder would fail on it); None if all are
+    fine. Iterative, so any nesting json.loads accepted is walked without recursion."""
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            items: Any = ()
+            if not _is_text(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            continue
+        for key, item in items:
+            if isinstance(key, str) and not _is_text(key):
+                return path or "body"
+            todo.append((f"{path}.{key}" if path else str(key), item))
+    return None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 # --- requests --------------------------------------------------------------------------------
 
 
+# Bounds at the HTTP schema (SamplingParams checks the sampler's own, tighter ranges too).
+MAX_INT32 = 2**31 - 1  # counts and ids: anything larger is a typo or an attack
+MAX_SEED = 2**64 - 1  # torch.Generator takes at most 64 bits
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+# -1e6..1e6: wide enough for every real setting, and no value that overflows a float32 tensor.
+Real = Annotated[float, Field(ge=-1e6, le=1e6)]
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: no coercion ("4" -> 4, true -> 1, 1.0 -> 1); allow_inf_nan: JSON has neither.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -74,22 +119,22 @@ class StreamOptions(_Model):
 
 class _SamplingRequest(_Model):
     model: str | None = None  # None = the served model
-    max_tokens: int | None = None
-    temperature: float | None = None  # None = 1.0, OpenAI's default
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM): -1 = off
-    min_p: float | None = None  # extension (vLLM)
-    seed: int | None = None
+    max_tokens: Count | None = None
+    temperature: Real | None = None  # None = 1.0, OpenAI's default
+    top_p: Real | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32)] | None = None  # (vLLM): -1 = off
+    min_p: Real | None = None  # extension (vLLM)
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    stop_token_ids: list[TokenId] | None = None  # extension (vLLM)
     ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens
-    repetition_penalty: float | None = None  # extension (vLLM)
+    repetition_penalty: Real | None = None  # extension (vLLM)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: Count = 1
+    presence_penalty: Real | None = None
+    frequency_penalty: Real | None = None
+    logit_bias: dict[str, Real] | None = None
     user: str | None = None
 
     @property
@@ -99,11 +144,11 @@ class _SamplingRequest(_Model):
 
 class CompletionRequest(_SamplingRequest):
     # A text, a list of token ids, or a batch of one of those (only batches of one are served).
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Count | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Count | None = None
 
 
 class ChatMessage(_Model):
@@ -115,9 +160,9 @@ class ChatMessage(_Model):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins if both
+    max_completion_tokens: Count | None = None  # the newer name of max_tokens; wins if both
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 

@@ -177,6 +177,10 @@ class EngineService:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    def is_alive(self) -> bool:
+        """Whether the engine thread runs (False once it has died or been shut down)."""
+        return self._thread.is_alive()
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
         self._wakeup.set()
@@ -243,6 +247,18 @@ class EngineService:
             stream.push(out)
             if out.finished:
                 del self._streams[out.request_id]
+        if any(out.finished for out in outputs):
+            self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        """Queue and KV-usage gauges as of now. Steps set them too, but after an abort, the
+        last request's finish or an engine error no step may follow for a long time, and
+        /metrics would keep showing load that is gone."""
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        self.metrics_registry.observe_queues(
+            len(scheduler.running), len(scheduler.waiting), blocks.num_used_blocks,
+            blocks.num_blocks,
+        )  # fmt: skip
 
 
 def _rejected(request: Request, error: str) -> RequestOutput:

@@ -59,6 +59,10 @@ async def collect(service: Any, stream: Any, request: Request) -> Any:
         if not work.done():  # client gone (or this handler cancelled): free the blocks
             service.abort(stream.request_id)
             work.cancel()
+    if not work.done() or work.cancelled():
+        # The client is gone: nobody reads this answer (and work.result() of a task just
+        # cancelled would raise InvalidStateError). 499 is nginx's "client closed request".
+        raise APIError(499, "the client closed the request", code="client_closed_request")
     last = work.result()
     if not getattr(service, "is_running", True):
         raise APIError(503, "the server is shutting down", type="service_unavailable")
@@ -83,7 +87,15 @@ async def _relay(service: Any, stream: Any) -> AsyncIterator[Any]:
 
 
 def _stream_error(out: Any) -> str:
-    body = error_body(f"the engine failed the request: {out.error}", type="internal_error")
+    """The error event of a stream the server ended: the engine failed or shut down, or the
+    request was aborted (only the server aborts a stream whose client still reads it: when
+    shutdown's drain time is over). The client then gets [DONE], as after any stream."""
+    if out.error:
+        body = error_body(f"the engine failed the request: {out.error}", type="internal_error")
+    else:
+        body = error_body(
+            "the request was aborted: the server is shutting down", type="service_unavailable"
+        )
     return sse(body)
 
 
@@ -130,8 +142,9 @@ async def _events(
         yield event(first)
     last = None
     async for out in _relay(service, stream):
-        if out.error:
+        if out.error or out.finish_reason == "abort":
             yield _stream_error(out)
+            yield SSE_DONE
             return
         last = out
         if out.new_text or out.finished:

@@ -130,12 +130,19 @@ class EngineMetricsRegistry:
 
     def observe_step(self, step: StepStats) -> None:
         """Queue gauges, KV usage and preemptions after one engine step."""
-        self.num_requests_running.set(step.num_running)
-        self.num_requests_waiting.set(step.num_waiting)
-        usage = step.num_blocks_used / step.num_kv_blocks if step.num_kv_blocks > 0 else 0.0
-        self.kv_cache_usage_perc.set(usage)
+        self.observe_queues(
+            step.num_running, step.num_waiting, step.num_blocks_used, step.num_kv_blocks
+        )
         if step.num_preemptions > 0:
             self.num_preemptions.inc(step.num_preemptions)
+
+    def observe_queues(
+        self, num_running: int, num_waiting: int, num_blocks_used: int, num_kv_blocks: int
+    ) -> None:
+        """Queue gauges and KV usage now (after a step, or when requests end between steps)."""
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.kv_cache_usage_perc.set(num_blocks_used / num_kv_blocks if num_kv_blocks else 0.0)
 
     def observe_finished(self, metrics: RequestMetrics, finish_reason: str) -> None:
         """Latency histograms and token counters of one finished request.

@@ -36,6 +36,11 @@ class NullMetricsRegistry:
     def observe_step(self, step: StepStats) -> None:
         pass
 
+    def observe_queues(
+        self, num_running: int, num_waiting: int, num_blocks_used: int, num_kv_blocks: int
+    ) -> None:
+        pass
+
     def observe_finished(self, metrics: RequestMetrics, finish_reason: str) -> None:
         pass
 
