@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager, BlockSnapshot
+from engine.core.chat_template import tokenize_chat
 from engine.core.output import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.spec_decode import NgramProposer
@@ -126,10 +127,9 @@ class LLMEngine:
                     f"messages: role must be one of {', '.join(_CHAT_ROLES)}, "
                     f"got {message.get('role')!r}"
                 )
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        # Content is tokenized apart from the template's markers, so "<|im_end|>" typed by a
+        # user stays text and cannot open a turn of another role (chat_template.py says how).
+        return tokenize_chat(self.tokenizer, list(messages))
 
     def make_request(
         self,
