@@ -526,3 +526,19 @@ def test_fuzz_never_5xx(fuzz_server, case):
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         ok_completion(fuzz_server.url, http)  # the same connection still serves
     assert errors == [], [r.getMessage() for r in errors]
+
+
+def test_hardening_flags():
+    from engine.serving.server import build_parser
+
+    args = build_parser().parse_args(
+        ["--metrics-no-auth", "--allowed-hosts", "my.box", "lan.box", "--max-body-bytes", "1024",
+         "--max-prompt-chars", "99", "--header-timeout", "2", "--body-timeout", "3",
+         "--timeout-keep-alive", "4", "--drain-timeout", "1.5"]
+    )  # fmt: skip
+    assert args.metrics_no_auth and args.allowed_hosts == ["my.box", "lan.box"]
+    assert (args.max_body_bytes, args.max_prompt_chars) == (1024, 99)
+    assert (args.header_timeout, args.body_timeout, args.timeout_keep_alive) == (2, 3, 4)
+    assert args.drain_timeout == 1.5
+    assert allowed_hosts_for("127.0.0.1", args.allowed_hosts) >= {"localhost", "my.box", "::1"}
+    assert allowed_hosts_for("0.0.0.0", args.allowed_hosts) == {"my.box", "lan.box", "0.0.0.0"}
