@@ -29,12 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# (num_heads, num_kv_heads, head_dim) of the models the engine ships presets for.
-SHAPES = {
-    "llama-3-8b": (32, 8, 128),
-    "llama-2-7b": (32, 32, 128),
-    "smollm2-135m": (9, 3, 64),
-}
+# Models whose attention shapes are compiled: keys of the engine's one preset table
+# (engine/runner/models/presets.py), read in launches().
+MODELS = ("llama-3-8b", "llama-2-7b", "smollm2-135m")
 DTYPES = ("bfloat16", "float32")
 SWEEP_TILES = (16, 32, 64)
 SWEEP_WARPS = (4, 8)
@@ -66,7 +63,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="SM version to compile for")
     parser.add_argument("--sweep", action="store_true", help="every tile x warps candidate")
-    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
@@ -107,9 +104,11 @@ def launches(model: str, dtype_name: str, sweep: bool) -> list[RecordedLaunch]:
     import torch
 
     import kernels
+    from engine.runner.models.presets import MODEL_PRESETS
     from kernels.paged_attention_decode import Launch
 
-    num_heads, num_kv_heads, head_dim = SHAPES[model]
+    arch = MODEL_PRESETS[model]
+    num_heads, num_kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
     dtype = getattr(torch, dtype_name)
     meta = {"dtype": dtype, "device": "meta"}  # shapes and strides only, no memory
     block_size, batch, context, prompt = 16, 64, 2048, 2048

@@ -10,9 +10,9 @@ import pytest
 from engine.telemetry import ceilings as dc
 from engine.telemetry.ceilings import (
     CACHE_FILE_NAME,
+    GPUS,
     PRESETS,
     DeviceCeilings,
-    find_preset,
     get_ceilings,
     roof_fraction,
     roofline,
@@ -80,12 +80,10 @@ def test_presets():
         assert not preset.measured
         assert set(preset.peak_flops_per_s) == {"float32", "bfloat16", "float16"}
         assert preset.peak("float32") < preset.peak("bfloat16")
-    assert find_preset("NVIDIA A100-SXM4-80GB") is a100
-    assert find_preset("NVIDIA H100 80GB HBM3") is PRESETS["H100 SXM"]
-    assert find_preset("NVIDIA H200") is PRESETS["H200"]
-    assert find_preset("NVIDIA L4") is PRESETS["L4"]
-    assert find_preset("NVIDIA L40S") is None
-    assert find_preset("NVIDIA GeForce RTX 4090") is PRESETS["RTX 4090"]
+    # One GPU table: the roofline's presets are its ceilings, the KV calculator its memory.
+    assert set(PRESETS) == set(GPUS)
+    assert PRESETS["H200"] == GPUS["H200"].ceilings() and GPUS["H200"].memory_gb == 141
+    assert a100.bandwidth_bytes_per_s == GPUS["A100 80GB"].bandwidth_bytes_per_s == 2.0e12
 
 
 def test_dict_round_trip():

@@ -123,6 +123,22 @@ def test_decode_batch_raises_intensity_until_kv_dominates():
     assert long_ctx.arithmetic_intensity < batch.arithmetic_intensity
 
 
+def test_shape_from_the_preset_table_matches_published_sizes():
+    """ModelShape.from_arch is the one way from a ModelArch to the cost model: the preset
+    table's shapes give the published parameter counts (the KV calculator's weights bar)."""
+    from engine.runner.models.presets import MODEL_PRESETS
+
+    assert ModelShape.from_arch(MODEL_PRESETS["llama-2-7b"], 2, 2) == LLAMA2_7B
+    published = {"llama-3-8b": 8.03e9, "mistral-7b": 7.24e9, "llama-3-70b": 70.6e9}
+    for name, num_params in published.items():
+        assert ModelShape.from_arch(MODEL_PRESETS[name]).num_params == pytest.approx(
+            num_params, rel=2e-3
+        )
+    int8 = ModelShape.from_arch(MODEL_PRESETS["llama-3-8b"], 2, kv_bytes_per_element=1)
+    # The shape's per-token KV is the one formula's answer for one token.
+    assert int8.kv_bytes_per_token() == kv_cache_bytes(32, 8, 128, 1, 1, 1) == 64 * 1024
+
+
 def test_kv_cache_bytes_seed_numbers():
     # Llama-3-8B-like: 32 layers, 8 KV heads, head_dim 128, fp16.
     assert kv_cache_bytes(32, 8, 128, 4096, 8, 2) == 4 * GiB

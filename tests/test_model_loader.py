@@ -8,7 +8,8 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.runner.model_loader import RANDOM_PRESETS, resolve_model
+from engine.runner.model_loader import resolve_model
+from engine.runner.models.presets import MODEL_PRESETS
 
 PROMPTS = [[5, 17, 42, 99, 3], [7] * 19, list(range(100, 140))]
 
@@ -73,7 +74,7 @@ def test_qwen2_bias_is_loaded(tmp_path):
 @pytest.mark.parametrize("preset", ["smollm2-135m", "llama-2-7b", "llama-3-8b"])
 def test_random_presets_have_known_shapes(preset):
     arch = resolve_model(f"random:{preset}").arch
-    assert arch == RANDOM_PRESETS[preset]
+    assert arch == MODEL_PRESETS[preset]
     expected_kv_heads = {"smollm2-135m": 3, "llama-2-7b": 32, "llama-3-8b": 8}[preset]
     assert arch.num_kv_heads == expected_kv_heads
 

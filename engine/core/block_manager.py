@@ -21,9 +21,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-KVLayout = Literal["paged", "contiguous"]
+from engine.config import KVLayout
 
 
 @dataclass(frozen=True)

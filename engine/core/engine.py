@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from engine.core.block_manager import BlockManager, BlockSnapshot
 from engine.core.chat_template import tokenize_chat
 from engine.core.output import OutputProcessor
@@ -22,9 +22,6 @@ from engine.telemetry.cost import ModelShape
 from engine.telemetry.prom_null import NullMetricsRegistry
 from engine.telemetry.recorder import MetricsSink, StepRecorder
 from engine.telemetry.stats import EngineStats, RequestProgress
-
-# Longest context the engine allocates RoPE tables for when the model allows more.
-_DEFAULT_MAX_MODEL_LEN = 8192
 
 Prompt = str | Sequence[int]
 _CHAT_ROLES = ("system", "user", "assistant")  # the server maps "developer" to system
@@ -44,7 +41,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         arch = self.source.arch
         self.max_model_len = config.max_model_len or min(
-            arch.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN
+            arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
         )
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(
@@ -67,18 +64,8 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.eos_token_ids = self._eos_token_ids()
-        self.shape = ModelShape(
-            num_layers=arch.num_layers,
-            hidden_size=arch.hidden_size,
-            intermediate_size=arch.intermediate_size,
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            vocab_size=arch.vocab_size,
-            tie_word_embeddings=arch.tie_word_embeddings,
-            weight_bytes_per_param=self.runner.dtype.itemsize,
-            kv_bytes_per_element=self.runner.dtype.itemsize,
-        )
+        itemsize = self.runner.dtype.itemsize
+        self.shape = ModelShape.from_arch(arch, itemsize, kv_bytes_per_element=itemsize)
         self.metrics_registry = make_metrics(self.model_name)  # /metrics renders it
         self.recorder = StepRecorder(
             self.shape,

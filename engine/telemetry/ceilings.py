@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -61,43 +60,44 @@ def dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _preset(name: str, bf16: float, fp32: float, bandwidth: float, note: str) -> DeviceCeilings:
-    return DeviceCeilings(
-        name=name,
-        peak_flops_per_s={"float32": fp32, "bfloat16": bf16, "float16": bf16},
-        bandwidth_bytes_per_s=bandwidth,
-        measured=False,
-        source=f"datasheet, dense (no sparsity); {note}",
-    )
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU's datasheet numbers: its roofline ceilings and, for the KV calculator, its
+    memory. Dense (no sparsity) tensor-core bf16/fp16 and non-tensor-core fp32 peaks."""
+
+    name: str  # as NVIDIA spells it
+    memory_gb: float  # device memory in decimal GB (1e9 bytes), as datasheets count
+    bf16_flops_per_s: float  # bf16 and fp16
+    fp32_flops_per_s: float
+    bandwidth_bytes_per_s: float
+    note: str  # memory type, rounding
+
+    def ceilings(self) -> DeviceCeilings:
+        return DeviceCeilings(
+            name=self.name,
+            peak_flops_per_s={
+                "float32": self.fp32_flops_per_s,
+                "bfloat16": self.bf16_flops_per_s,
+                "float16": self.bf16_flops_per_s,
+            },
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            measured=False,
+            source=f"datasheet, dense (no sparsity); {self.note}",
+        )
 
 
-# Datasheet numbers: dense tensor-core bf16/fp16 and non-tensor-core fp32 peaks.
-PRESETS: dict[str, DeviceCeilings] = {
+# The one GPU table: the roofline's presets and the KV calculator's devices.
+GPUS: dict[str, GPUSpec] = {
     # HBM2e is 2.039e12 B/s; rounded to 2.0e12 so the ridge is the classic teaching value
     # 312 TFLOPS / 2 TB/s = 156 FLOP/byte (153 with the exact bandwidth).
-    "A100 80GB": _preset("NVIDIA A100 80GB", 312e12, 19.5e12, 2.0e12, "bandwidth rounded"),
-    "H100 SXM": _preset("NVIDIA H100 SXM", 989e12, 67e12, 3.35e12, "HBM3"),
-    "H200": _preset("NVIDIA H200", 989e12, 67e12, 4.8e12, "HBM3e"),
-    "L4": _preset("NVIDIA L4", 121e12, 30.3e12, 300e9, "GDDR6"),
+    "A100 80GB": GPUSpec("NVIDIA A100 80GB", 80, 312e12, 19.5e12, 2.0e12, "bandwidth rounded"),
+    "H100 SXM": GPUSpec("NVIDIA H100 SXM", 80, 989e12, 67e12, 3.35e12, "HBM3"),
+    "H200": GPUSpec("NVIDIA H200", 141, 989e12, 67e12, 4.8e12, "HBM3e"),
+    "L4": GPUSpec("NVIDIA L4", 24, 121e12, 30.3e12, 300e9, "GDDR6"),
     # 165.2 TFLOPS is bf16/fp16 with fp32 accumulate (330 with fp16 accumulate).
-    "RTX 4090": _preset("NVIDIA GeForce RTX 4090", 165.2e12, 82.6e12, 1.008e12, "GDDR6X"),
+    "RTX 4090": GPUSpec("NVIDIA GeForce RTX 4090", 24, 165.2e12, 82.6e12, 1.008e12, "GDDR6X"),
 }
-
-
-def find_preset(device_name: str) -> DeviceCeilings | None:
-    """The datasheet preset for a device name as torch.cuda.get_device_name() spells it."""
-    n = device_name.lower()
-    if "h200" in n:
-        return PRESETS["H200"]
-    if "h100" in n and "pcie" not in n:
-        return PRESETS["H100 SXM"]
-    if "a100" in n and "80" in n:
-        return PRESETS["A100 80GB"]
-    if re.search(r"\bl4\b", n):
-        return PRESETS["L4"]
-    if "4090" in n:
-        return PRESETS["RTX 4090"]
-    return None
+PRESETS: dict[str, DeviceCeilings] = {key: gpu.ceilings() for key, gpu in GPUS.items()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the cost model stays pure Python: it only reads an arch's numbers
+    from engine.runner.models.arch import ModelArch
 
 # --------------------------------------------------------------------------------------------
 # Model shape and FLOP/byte accounting
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The numbers of a Llama-family decoder that set its FLOPs and bytes (no biases)."""
+    """The cost model's view of a ModelArch: the numbers that set its FLOPs and bytes (no
+    biases), plus the element sizes of the weights and the KV cache. Build it with from_arch."""
 
     num_layers: int
     hidden_size: int
@@ -29,6 +34,27 @@ class ModelShape:
     tie_word_embeddings: bool
     weight_bytes_per_param: float = 2.0  # 2 bf16/fp16, 4 fp32, 1 int8, 0.5 int4
     kv_bytes_per_element: float = 2.0  # bytes of one K or V element in the cache
+
+    @classmethod
+    def from_arch(
+        cls,
+        arch: ModelArch,
+        weight_bytes_per_param: float = 2.0,
+        kv_bytes_per_element: float = 2.0,
+    ) -> ModelShape:
+        """The one place a ModelArch becomes a ModelShape."""
+        return cls(
+            num_layers=arch.num_layers,
+            hidden_size=arch.hidden_size,
+            intermediate_size=arch.intermediate_size,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            vocab_size=arch.vocab_size,
+            tie_word_embeddings=arch.tie_word_embeddings,
+            weight_bytes_per_param=weight_bytes_per_param,
+            kv_bytes_per_element=kv_bytes_per_element,
+        )
 
     @property
     def embedding_params(self) -> int:
@@ -86,9 +112,11 @@ class ModelShape:
         )
         return params_read * self.weight_bytes_per_param
 
-    def kv_bytes_per_token(self) -> float:
+    def kv_bytes_per_token(self) -> int:
         """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+        return kv_cache_bytes(
+            self.num_layers, self.num_kv_heads, self.head_dim, 1, 1, self.kv_bytes_per_element
+        )
 
 
 @dataclass(frozen=True)
@@ -186,7 +214,9 @@ def kv_cache_bytes(
     bytes_per_element: float,
 ) -> int:
     """Bytes of K and V for batch_size requests of num_tokens tokens:
-    2 (K, V) x layers x kv_heads x head_dim x tokens x batch x bytes."""
+    2 (K, V) x layers x kv_heads x head_dim x tokens x batch x bytes.
+    The one KV-size formula: the model runner's KV plan, the cost model and the KV calculator
+    all call it."""
     return int(
         2 * num_layers * num_kv_heads * head_dim * num_tokens * batch_size * bytes_per_element
     )

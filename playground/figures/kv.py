@@ -5,7 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from playground.figures.style import base_layout
-from playground.handlers.kv import GB, GPU_MEMORY_GB, TABLE_BATCH_SIZES, KVInputs
+from playground.handlers.kv import GB, TABLE_BATCH_SIZES, KVInputs
 
 
 def memory_bars_figure(x: KVInputs) -> go.Figure:
@@ -27,11 +27,11 @@ def memory_bars_figure(x: KVInputs) -> go.Figure:
         marker_color=["#dc2626" if b == x.batch_size else "#2563eb" for b in batches],
         hovertemplate="batch %{x}<br>KV %{y:.2f} GB<extra></extra>",
     )
-    total_gb = GPU_MEMORY_GB[x.gpu]
+    total_gb = x.memory_gb
     fig.add_hline(
         y=total_gb,
         line={"color": "#111827", "dash": "dash"},
-        annotation_text=f"{x.gpu}: {total_gb} GB",
+        annotation_text=f"{x.gpu}: {total_gb:g} GB",
         annotation_position="top left",
     )
     fig.add_hline(

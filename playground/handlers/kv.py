@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.telemetry.cost import kv_cache_bytes, max_concurrency
+from engine.runner.models.presets import MODEL_PRESETS as SHAPES
+from engine.telemetry.ceilings import GPUS, GPUSpec
+from engine.telemetry.cost import ModelShape, kv_cache_bytes, max_concurrency
 from playground.engine_info import EngineInfo
 from playground.figures.style import fmt_bytes
 
@@ -14,39 +16,41 @@ GB = 1e9  # datasheets count memory in decimal gigabytes
 
 @dataclass(frozen=True)
 class ModelPreset:
+    """A model of the calculator: a name for the form and its shape (from the one preset
+    table, engine/runner/models/presets.py, or the loaded engine)."""
+
     name: str
-    num_layers: int
-    num_heads: int  # query heads
-    num_kv_heads: int
-    head_dim: int
-    num_params: float  # for the weights bar
+    shape: ModelShape
 
     @property
     def attention(self) -> str:
-        if self.num_kv_heads == self.num_heads:
+        s = self.shape
+        if s.num_kv_heads == s.num_heads:
             return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
+        return "MQA" if s.num_kv_heads == 1 else "GQA"
 
 
-# Shapes from the models' published config.json files.
+def _preset(label: str, key: str) -> ModelPreset:
+    shape = ModelShape.from_arch(SHAPES[key])
+    name = f"{label} ({ModelPreset(label, shape).attention})"
+    return ModelPreset(name, shape)
+
+
+# The calculator's models, by their preset-table keys.
 MODEL_PRESETS = {
     p.name: p
     for p in (
-        ModelPreset("Llama-2-7B (MHA)", 32, 32, 32, 128, 6.74e9),
-        ModelPreset("Llama-3-8B (GQA)", 32, 32, 8, 128, 8.03e9),
-        ModelPreset("Mistral-7B (GQA)", 32, 32, 8, 128, 7.24e9),
-        ModelPreset("Llama-3-70B (GQA)", 80, 64, 8, 128, 70.6e9),
+        _preset("Llama-2-7B", "llama-2-7b"),
+        _preset("Llama-3-8B", "llama-3-8b"),
+        _preset("Mistral-7B", "mistral-7b"),
+        _preset("Llama-3-70B", "llama-3-70b"),
     )
 }
 LOADED_MODEL = "the loaded model"
 
-# Device memory, datasheet values in GB (1e9 bytes).
-GPU_MEMORY_GB = {
-    "A100 80GB": 80,
-    "H100 SXM 80GB": 80,
-    "H200 141GB": 141,
-    "L4 24GB": 24,
-    "RTX 4090 24GB": 24,
+# The GPUs of the one GPU table (engine/telemetry/ceilings.py), named with their memory.
+GPU_CHOICES: dict[str, GPUSpec] = {
+    key if key.endswith("GB") else f"{key} {gpu.memory_gb:g}GB": gpu for key, gpu in GPUS.items()
 }
 BYTES_PER_ELEMENT = {
     "fp32 (4 B)": 4.0,
@@ -60,15 +64,7 @@ TABLE_CONTEXT_LENS = (512, 2048, 4096, 8192, 32768, 131072)
 
 
 def loaded_preset(info: EngineInfo) -> ModelPreset:
-    s = info.shape
-    return ModelPreset(
-        f"{info.model_name} (loaded)",
-        s.num_layers,
-        s.num_heads,
-        s.num_kv_heads,
-        s.head_dim,
-        float(s.num_params),
-    )
+    return ModelPreset(f"{info.model_name} (loaded)", info.shape)
 
 
 def preset_names(with_loaded: bool = True) -> list[str]:
@@ -99,16 +95,17 @@ def resolve_preset(name: str, info: EngineInfo | None) -> ModelPreset:
 def variant_kv_heads(preset: ModelPreset, variant: str) -> int:
     """KV heads under an attention variant: MHA one per query head, MQA one in all, GQA the
     model's own groups (or heads / 4 for an MHA model)."""
+    s = preset.shape
     if variant == "MHA":
-        return preset.num_heads
+        return s.num_heads
     if variant == "MQA":
         return 1
     if variant == "GQA":
-        if 1 < preset.num_kv_heads < preset.num_heads:
-            return preset.num_kv_heads
-        return max(2, preset.num_heads // 4)
+        if 1 < s.num_kv_heads < s.num_heads:
+            return s.num_kv_heads
+        return max(2, s.num_heads // 4)
     if variant == "as the model":
-        return preset.num_kv_heads
+        return s.num_kv_heads
     raise ValueError(f"attention variant: one of {', '.join(VARIANTS)}, got {variant!r}")
 
 
@@ -125,14 +122,18 @@ class KVInputs:
 
     @property
     def weights_bytes(self) -> float:
-        return self.preset.num_params * self.weight_bytes
+        return self.preset.shape.num_params * self.weight_bytes
+
+    @property
+    def memory_gb(self) -> float:
+        return GPU_CHOICES[self.gpu].memory_gb
 
     @property
     def usable_bytes(self) -> float:
-        return GPU_MEMORY_GB[self.gpu] * GB * self.memory_fraction
+        return self.memory_gb * GB * self.memory_fraction
 
     def kv(self, seq_len: int | None = None, batch_size: int | None = None) -> int:
-        p = self.preset
+        p = self.preset.shape
         return kv_cache_bytes(
             p.num_layers,
             self.num_kv_heads,
@@ -147,7 +148,7 @@ class KVInputs:
         free = int(self.usable_bytes - self.weights_bytes)
         if free <= 0:
             return 0
-        p = self.preset
+        p = self.preset.shape
         return max_concurrency(
             free,
             p.num_layers,
@@ -176,7 +177,7 @@ def parse_inputs(
             raise ValueError(f"{name}: must be a positive whole number, got {value!r}")
     if kv_dtype not in BYTES_PER_ELEMENT or weight_dtype not in BYTES_PER_ELEMENT:
         raise ValueError("dtype: pick one of the listed element sizes")
-    if gpu not in GPU_MEMORY_GB:
+    if gpu not in GPU_CHOICES:
         raise ValueError(f"GPU: unknown preset {gpu!r}")
     if memory_fraction is None or not 0 < memory_fraction <= 1:
         raise ValueError(f"memory fraction: must be in (0, 1], got {memory_fraction!r}")
@@ -193,14 +194,14 @@ def parse_inputs(
 
 
 def formula_markdown(x: KVInputs) -> str:
-    p = x.preset
+    p = x.preset.shape
     per_token = x.kv(seq_len=1, batch_size=1)
     total = x.kv()
     kind = "MHA" if x.num_kv_heads == p.num_heads else "MQA" if x.num_kv_heads == 1 else "GQA"
     fits = x.max_requests()
     verdict = (
         f"**{fits}** requests of {x.seq_len:,} tokens fit in {x.gpu} "
-        f"({x.memory_fraction:.0%} of {GPU_MEMORY_GB[x.gpu]} GB, minus "
+        f"({x.memory_fraction:.0%} of {x.memory_gb:g} GB, minus "
         f"{x.weights_bytes / GB:.1f} GB of weights)"
         if fits
         else f"the weights alone ({x.weights_bytes / GB:.1f} GB) do not fit in {x.gpu}"
@@ -234,13 +235,14 @@ def table_rows(x: KVInputs) -> tuple[list[str], list[list[str]]]:
 def engine_pool_markdown(info: EngineInfo, seq_len: int) -> str:
     """The loaded engine's real KV allocation beside the formula for the same token count."""
     s = info.shape
-    pool_tokens = info.num_kv_blocks * info.block_size
+    block_size, kv_layout = info.config.block_size, info.config.kv_layout
+    pool_tokens = info.num_kv_blocks * block_size
     formula = kv_cache_bytes(
         s.num_layers, s.num_kv_heads, s.head_dim, pool_tokens, 1, s.kv_bytes_per_element
     )
     check = "matches" if formula == info.kv_cache_bytes else "differs from"
-    if info.kv_layout == "contiguous":
-        per_request_blocks = -(-info.max_model_len // info.block_size)
+    if kv_layout == "contiguous":
+        per_request_blocks = -(-info.max_model_len // block_size)
         fits = info.num_kv_blocks // per_request_blocks
         how = f"contiguous: each request reserves max_model_len = {info.max_model_len} tokens"
     else:
@@ -248,7 +250,7 @@ def engine_pool_markdown(info: EngineInfo, seq_len: int) -> str:
         how = f"paged: floor({pool_tokens:,} tokens / {seq_len:,})"
     return (
         f"**The loaded engine ({info.model_name}, {info.dtype})** allocated "
-        f"{info.num_kv_blocks:,} blocks x {info.block_size} tokens = {pool_tokens:,} tokens "
+        f"{info.num_kv_blocks:,} blocks x {block_size} tokens = {pool_tokens:,} tokens "
         f"of KV: **{info.kv_cache_bytes:,} B** ({fmt_bytes(info.kv_cache_bytes)}, "
         f"EngineStats.kv_cache_bytes).\n\n"
         f"The formula for {pool_tokens:,} tokens: 2 x {s.num_layers} x {s.num_kv_heads} x "

@@ -12,7 +12,7 @@ from playground.context import AppContext
 from playground.figures.kv import memory_bars_figure
 from playground.handlers.kv import (
     BYTES_PER_ELEMENT,
-    GPU_MEMORY_GB,
+    GPU_CHOICES,
     LOADED_MODEL,
     VARIANTS,
     engine_pool_markdown,
@@ -42,7 +42,7 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             ui.weight_dtype = gr.Dropdown(
                 list(BYTES_PER_ELEMENT), value="bf16 / fp16 (2 B)", label="Weight element"
             )
-            ui.gpu = gr.Dropdown(list(GPU_MEMORY_GB), value="H100 SXM 80GB", label="GPU")
+            ui.gpu = gr.Dropdown(list(GPU_CHOICES), value="H100 SXM 80GB", label="GPU")
             ui.fraction = gr.Slider(
                 0.5, 1.0, 0.9, step=0.01, label="Memory fraction for weights + KV"
             )

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -71,35 +72,11 @@ class ModelArch:
             model_type=model_type,
         )
 
-    def to_hf_config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": self.model_type,
-            "num_hidden_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
-        }
-        if self.rope_scaling is not None:
-            cfg["rope_scaling"] = self.rope_scaling
-        if self.bos_token_id is not None:
-            cfg["bos_token_id"] = self.bos_token_id
-        if self.eos_token_ids:
-            cfg["eos_token_id"] = list(self.eos_token_ids)
-        return cfg
-
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     """Inverse RoPE frequencies [head_dim / 2] in float32, with llama3 / linear scaling."""
+    import torch  # here, not at the top: the preset table (shapes only) stays torch-free
+
     dim = arch.head_dim
     # float32 throughout, exactly as Hugging Face computes it, so float32 parity is bit-exact.
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

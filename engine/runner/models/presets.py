@@ -1,0 +1,92 @@
+"""The one table of known model shapes: `random:<name>` builds it with random weights, the KV
+calculator and scripts/kernel_resources.py read their shapes from it. Numbers from each model's
+published config.json."""
+
+from __future__ import annotations
+
+from engine.runner.models.arch import ModelArch
+
+MODEL_PRESETS: dict[str, ModelArch] = {
+    "smollm2-135m": ModelArch(
+        num_layers=30,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+    ),
+    "llama-2-7b": ModelArch(
+        num_layers=32,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        vocab_size=32000,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        eos_token_ids=(2,),
+    ),
+    "llama-3-8b": ModelArch(
+        num_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        eos_token_ids=(128001,),
+    ),
+    "mistral-7b": ModelArch(
+        num_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=32000,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=32768,
+        eos_token_ids=(2,),
+        model_type="mistral",
+    ),
+    "llama-3-70b": ModelArch(
+        num_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        eos_token_ids=(128001,),
+    ),
+    # A few-MB model for fast tests of engine mechanics.
+    "tiny": ModelArch(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=49152,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+    ),
+}
