@@ -18,6 +18,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import httpx
+
 from benchmarks.common import bench_parser, config_report, emit
 from engine.cli import config_from_args
 from engine.request import SamplingParams
@@ -41,6 +43,7 @@ class Tally:
     disconnected: int = 0  # an HTTP client hung up mid-stream
     latencies_s: list[float] = field(default_factory=list)  # ok requests, end to end
     rss_mb: dict[int, float] = field(default_factory=dict)  # requests done -> RSS (MiB)
+    http_errors: list[str] = field(default_factory=list)  # transport errors, first few kept
     done: int = 0
 
 
@@ -74,28 +77,33 @@ async def _direct(svc: EngineService, rng: random.Random, args, tally: Tally) ->
         tally.latencies_s.append(time.perf_counter() - start)
 
 
-async def _http(client, url: str, rng: random.Random, args, tally: Tally) -> None:
+async def _http(
+    client: httpx.AsyncClient, url: str, rng: random.Random, args, tally: Tally
+) -> None:
     hang_up = rng.random() < args.abort_fraction
     body = {
         "prompt": [rng.randrange(100, 30000) for _ in range(rng.randint(4, args.max_prompt_len))],
         "max_tokens": rng.randint(1, args.max_tokens), "temperature": 0, "stream": True,
     }  # fmt: skip
     start = time.perf_counter()
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            tally.failed += 1
-            return
-        async for line in resp.aiter_lines():
-            if hang_up and line.startswith("data: {"):
-                tally.disconnected += 1  # leaving the block closes the connection
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                tally.failed += 1
                 return
+            async for line in resp.aiter_lines():
+                if hang_up and line.startswith("data: {"):
+                    tally.disconnected += 1  # leaving the block closes the connection
+                    return
+    except httpx.HTTPError as exc:  # the server dropped the connection: a failure, counted
+        tally.failed += 1
+        tally.http_errors.append(repr(exc))
+        return
     tally.ok += 1
     tally.latencies_s.append(time.perf_counter() - start)
 
 
 async def _soak(svc: EngineService, url: str | None, args) -> Tally:
-    import httpx
-
     rng = random.Random(args.seed)
     tally = Tally()
     gate = asyncio.Semaphore(args.concurrency)
@@ -153,6 +161,7 @@ def run(args) -> dict:
         "failed": tally.failed,
         "aborted": tally.aborted,
         "disconnected": tally.disconnected,
+        "http_errors": tally.http_errors[:5],
         "idle_at_end": idle,
         "blocks_held_at_end": held,
         "rss_mb_start": round(rss_start / 2**20, 1),
