@@ -22,6 +22,7 @@ from playground.figures.latency import cdf_figure, gantt_figure, throughput_figu
 from playground.figures.roofline import roofline_figure
 from playground.handlers.chat import (
     ActiveRequests,
+    ChatSessions,
     StreamThrottle,
     build_messages,
     render,
@@ -224,17 +225,45 @@ def test_workload_form_to_spec_and_readable_errors():
 
 
 def test_chat_helpers():
-    p = sampling_params(0.7, 0.9, 0, 32, -1)
+    p = sampling_params(0.7, 0.9, -1, 32, -1)
     assert p.top_k == -1 and p.seed is None and p.max_tokens == 32
     assert sampling_params(0.0, 1.0, 5, 8, 42).seed == 42
     with pytest.raises(ValueError, match="max_tokens"):
-        sampling_params(0.7, 0.9, 0, 2.5, 1)
+        sampling_params(0.7, 0.9, -1, 2.5, 1)
     with pytest.raises(ValueError, match="top_p"):
-        sampling_params(0.7, 0.0, 0, 8, 1)
+        sampling_params(0.7, 0.0, -1, 8, 1)
     msgs = build_messages("Be brief.", [{"role": "user", "content": "hi"}], "again")
     assert [m["role"] for m in msgs] == ["system", "user", "user"]
     shown = render([{"role": "assistant", "content": "yo", "stats": "TTFT 5 ms"}], "par", "live")
     assert shown[0]["content"].endswith("<sub>TTFT 5 ms</sub>") and "par ▌" in shown[1]["content"]
+
+
+def test_chat_fields_use_the_engines_off_convention_and_never_round():
+    # -1 = off for top-k, as in Load test and SamplingParams; 0, fractions and seeds < -1 are
+    # refused with the field's name, never rounded or accepted.
+    for top_k, seed, field in ((0, 1, "top_k"), (2.5, 1, "top_k"), (-2, 1, "top_k"),
+                               (None, 1, "top_k"), (-1, -5, "seed"), (-1, 0.5, "seed"),
+                               (-1, float("nan"), "seed")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            sampling_params(0.7, 0.9, top_k, 8, seed)
+    assert sampling_params(0.7, 0.9, 3.0, 8, 0.0).top_k == 3
+    assert sampling_params(0.7, 0.9, -1, 8, 0).seed == 0
+
+
+def test_chat_sessions_one_reply_at_a_time_and_clear_makes_the_reply_stale():
+    sessions = ChatSessions()
+    first = sessions.begin("s1")
+    assert first is not None and sessions.streaming("s1")
+    assert sessions.begin("s1") is None  # a second send while streaming is refused
+    assert sessions.begin("s2") is not None  # another browser tab chats at the same time
+    sessions.reset("s1")  # Clear during the stream
+    assert not sessions.current("s1", first) and not sessions.streaming("s1")
+    second = sessions.begin("s1")  # the new conversation may send at once
+    assert second is not None and sessions.current("s1", second)
+    sessions.end("s1", first)  # the stale reply ending does not end the new one
+    assert sessions.streaming("s1")
+    sessions.end("s1", second)
+    assert not sessions.streaming("s1")
 
 
 def test_one_stats_line_for_engine_and_client_metrics():
@@ -445,7 +474,7 @@ def client(service):
 
 def test_api_chat_streams_a_reply_with_metrics(client):
     chatbot, message, status = client.predict(
-        "Say hello.", "Be brief.", 0.0, 1.0, 0, 8, 1, api_name="/chat"
+        "Say hello.", "Be brief.", 0.0, 1.0, -1, 8, 1, api_name="/chat"
     )
     reply = chatbot[-1]["content"][0]["text"]
     assert chatbot[-1]["role"] == "assistant" and "TTFT" in reply and "8 tokens" in reply
@@ -453,7 +482,7 @@ def test_api_chat_streams_a_reply_with_metrics(client):
 
 
 def test_api_chat_stop_aborts_and_frees_blocks(client, service):
-    job = client.submit("Write a long story.", "", 0.0, 1.0, 0, 400, 1, api_name="/chat")
+    job = client.submit("Write a long story.", "", 0.0, 1.0, -1, 400, 1, api_name="/chat")
     deadline = time.monotonic() + 30
     while service.stats().num_running == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -466,7 +495,7 @@ def test_api_chat_stop_aborts_and_frees_blocks(client, service):
 
 
 def test_api_bad_values_give_messages_not_tracebacks(client):
-    _, _, status = client.predict("hi", "", 0.7, 0.9, 0, 2.5, 1, api_name="/chat")
+    _, _, status = client.predict("hi", "", 0.7, 0.9, -1, 2.5, 1, api_name="/chat")
     assert "Not sent" in status and "max_tokens" in status
     args = dict(num_prompts=0, max_concurrency=0, seed=0, arrival="all at once",
                 request_rate=1, burstiness=1, input_kind="fixed", input_mean=8, input_low=1,
@@ -568,7 +597,7 @@ def test_api_two_sessions_chat_at_once_in_the_same_engine_steps(client, service)
     sessions = [Client(client.src, verbose=False) for _ in range(2)]  # two fresh browser tabs
     first_step = service.stats().num_steps_total
     jobs = [
-        c.submit(f"Write a long story about {topic}.", "", 0.0, 1.0, 0, 24, 1, api_name="/chat")
+        c.submit(f"Write a long story about {topic}.", "", 0.0, 1.0, -1, 24, 1, api_name="/chat")
         for c, topic in zip(sessions, ("a dragon", "the sea"), strict=True)
     ]
     for job in jobs:
@@ -589,7 +618,7 @@ def test_api_chat_and_live_refresh_answer_during_a_load_test(client, service):
     t0 = time.monotonic()
     summary = client.predict(api_name="/live_refresh")[0]
     assert time.monotonic() - t0 < 5 and "running **" in summary
-    chatbot, _, _ = client.predict("Hi!", "", 0.0, 1.0, 0, 4, 1, api_name="/chat")
+    chatbot, _, _ = client.predict("Hi!", "", 0.0, 1.0, -1, 4, 1, api_name="/chat")
     assert "4 tokens" in chatbot[-1]["content"][0]["text"]
     assert not job.done()  # the chat reply came back while the load test was still running
     rows = {r[0]: r[1] for r in job.result(timeout=120)[5]["data"]}

@@ -31,22 +31,29 @@ def sampling_params(
 ) -> SamplingParams:
     """Form numbers (Gradio sends floats or None) -> SamplingParams; ValueError names the field.
 
-    top_k 0 or -1 means off; seed blank or -1 means a fresh random seed per reply."""
-
-    def whole(name: str, value: float | None) -> int:
-        if value is None or value != int(value):
-            raise ValueError(f"{name}: must be a whole number, got {value!r}")
-        return int(value)
-
+    The engine's convention everywhere (Chat, Load test, SamplingParams): top_k -1 = off, 0 is
+    refused (it would keep no token); seed -1 = a fresh random seed per reply, else >= 0. A
+    fraction is refused, never rounded: the box would still show what the user typed."""
     k = whole("top_k", top_k)
-    s = None if seed is None or seed == -1 else whole("seed", seed)
+    if k == 0 or k < -1:
+        raise ValueError(f"top_k: must be -1 (off) or a whole number >= 1, got {k}")
+    s = whole("seed", seed)
+    if s < -1:
+        raise ValueError(f"seed: must be -1 (random) or a whole number >= 0, got {s}")
     return SamplingParams(
         max_tokens=whole("max_tokens", max_tokens),
         temperature=float(temperature if temperature is not None else -1),
         top_p=float(top_p if top_p is not None else -1),
-        top_k=-1 if k in (0, -1) else k,
-        seed=s,
+        top_k=k,
+        seed=None if s == -1 else s,
     )
+
+
+def whole(name: str, value: float | None) -> int:
+    """A form number that must be whole: 2.5, blank, inf and NaN raise ValueError."""
+    if value is None or not math.isfinite(value) or value != int(value):
+        raise ValueError(f"{name}: must be a whole number, got {value!r}")
+    return int(value)
 
 
 def build_messages(system_prompt: str, turns: Sequence[Turn], user_message: str) -> list[dict]:
@@ -126,6 +133,46 @@ def render(turns: Sequence[Turn], streaming: str | None = None, live: str = "") 
     if streaming is not None:
         out.append({"role": "assistant", "content": f"{streaming} ▌\n\n<sub>{live}</sub>"})
     return out
+
+
+class ChatSessions:
+    """Per browser session: whether a reply is streaming, and which conversation is current.
+
+    Clear (or the chatbot's trash icon) starts a new conversation: reset() bumps the session's
+    number, so the reply that was streaming sees it is stale, stops, and never writes the old
+    turns back. begin() refuses a second reply while one streams (one at a time per session)."""
+
+    def __init__(self) -> None:
+        self._conversation: dict[str, int] = {}  # session -> current conversation number
+        self._streaming: dict[str, int] = {}  # session -> conversation its reply belongs to
+        self._lock = threading.Lock()
+
+    def begin(self, session: str) -> int | None:
+        """The conversation number this reply belongs to, or None if one is streaming."""
+        with self._lock:
+            if session in self._streaming:
+                return None
+            number = self._conversation.get(session, 0)
+            self._streaming[session] = number
+            return number
+
+    def current(self, session: str, number: int) -> bool:
+        with self._lock:
+            return self._conversation.get(session, 0) == number
+
+    def end(self, session: str, number: int) -> None:
+        with self._lock:
+            if self._streaming.get(session) == number:
+                del self._streaming[session]
+
+    def reset(self, session: str) -> None:
+        with self._lock:
+            self._conversation[session] = self._conversation.get(session, 0) + 1
+            self._streaming.pop(session, None)
+
+    def streaming(self, session: str) -> bool:
+        with self._lock:
+            return session in self._streaming
 
 
 Handle = TypeVar("Handle")

@@ -9,11 +9,23 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers.chat import ChatBackend, build_messages, render, sampling_params
+from playground.handlers.chat import (
+    ChatBackend,
+    ChatSessions,
+    build_messages,
+    render,
+    sampling_params,
+)
 from playground.handlers.chat_engine import EngineChat
 from playground.handlers.chat_remote import RemoteChat
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
+SEND_LABEL = "Send"
+SEND_BUSY_LABEL = "Streaming… (Stop to send again)"
+BUSY = (
+    "A reply is still streaming: Send is off until it ends or you press Stop "
+    "(your draft stays in the box)."
+)
 
 ENGINE_NOTE = (
     "Under each reply: **TTFT** (time to first token, from arrival in the engine), "
@@ -51,17 +63,18 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
                     lines=1,
                     max_lines=6,
                 )
-                ui.send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+                ui.send = gr.Button(SEND_LABEL, variant="primary", scale=1, elem_id="chat-send")
                 ui.stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop")
             ui.status = gr.Markdown(elem_id="chat-status")
         with gr.Column(scale=1, min_width=260):
             ui.system_prompt = gr.Textbox(DEFAULT_SYSTEM_PROMPT, label="System prompt", lines=3)
             ui.temperature = gr.Slider(0.0, 2.0, 0.7, step=0.05, label="Temperature (0 = greedy)")
             ui.top_p = gr.Slider(0.05, 1.0, 0.95, step=0.05, label="Top-p")
-            ui.top_k = gr.Number(0, label="Top-k (0 = off)", precision=0)
+            # precision=None: Gradio would round 2.5 silently; sampling_params refuses it.
+            ui.top_k = gr.Number(-1, label="Top-k (-1 = off)", elem_id="chat-top-k")
             ui.max_tokens = gr.Slider(1, 1024, 256, step=1, label="Max new tokens")
-            ui.seed = gr.Number(-1, label="Seed (-1 = random)", precision=0)
-            ui.clear = gr.Button("Clear conversation")
+            ui.seed = gr.Number(-1, label="Seed (-1 = random)", elem_id="chat-seed")
+            ui.clear = gr.Button("Clear conversation", elem_id="chat-clear")
             gr.Markdown(REMOTE_NOTE.format(url=ctx.remote.base_url) if ctx.remote else ENGINE_NOTE)
     ui.turns = gr.State([])
     return ui
@@ -71,6 +84,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
     backend: ChatBackend = (
         RemoteChat(ctx.remote) if ctx.remote is not None else EngineChat(ctx.service)
     )
+    sessions = ChatSessions()
 
     async def respond(
         message,
@@ -83,6 +97,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         seed,
         request: gr.Request,
     ):
+        # Streaming updates never write the input box (gr.skip()): what the user types while
+        # a reply streams is the next draft and stays.
         turns = list(turns or [])
         if not (message or "").strip():
             gr.Warning("Type a message first.")
@@ -92,16 +108,25 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             params = sampling_params(temperature, top_p, top_k, max_tokens, seed)
         except ValueError as e:
             gr.Warning(str(e))
-            yield render(turns), turns, message, f"**Not sent:** {e}"
+            yield gr.skip(), gr.skip(), gr.skip(), f"**Not sent:** {e}"
             return
         session = request.session_hash or "anonymous"
-        if backend.streaming(session):
-            busy = "A reply is still streaming: wait for it or press Stop."
-            gr.Warning(busy)
-            yield gr.skip(), gr.skip(), gr.skip(), busy
+        conversation = sessions.begin(session)
+        if conversation is None:
+            gr.Warning(BUSY)
+            yield gr.skip(), gr.skip(), gr.skip(), f"**Not sent:** {BUSY}"
             return
+        try:
+            async for update in _stream(message, turns, system_prompt, params, session):
+                if not sessions.current(session, conversation):
+                    return  # cleared meanwhile: the reply was stopped, show nothing of it
+                yield update
+        finally:
+            sessions.end(session, conversation)
+
+    async def _stream(message, turns, system_prompt, params, session):
         shown = [*turns, {"role": "user", "content": message}]
-        yield render(shown, "", backend.waiting), turns, "", ""
+        yield render(shown, "", backend.waiting), turns, "", BUSY
         messages = build_messages(system_prompt or "", turns, message)
         last = None
         try:
@@ -109,7 +134,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
                 last = reply
                 if not reply.finished:
                     live = f"{reply.request_id or 'reply'} · streaming · {reply.progress}"
-                    yield render(shown, reply.text, live), turns, "", gr.skip()
+                    yield render(shown, reply.text, live), turns, gr.skip(), gr.skip()
         except (ValueError, RuntimeError) as e:  # refused (too long, ...) or shutting down
             gr.Warning(str(e))
             yield render(turns), turns, message, f"**Not sent:** {e}"
@@ -129,10 +154,44 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         elif last.stopped:
             status = backend.stopped_message(last.request_id)
         new_turns = [*shown, turn]
-        yield render(new_turns), new_turns, "", status
+        yield render(new_turns), new_turns, gr.skip(), status
 
     def stop(request: gr.Request) -> str:
         return backend.stop(request.session_hash or "anonymous")
+
+    def clear(request: gr.Request):
+        """A new conversation: the kept turns go, and a streaming reply stops."""
+        session = request.session_hash or "anonymous"
+        streaming = sessions.streaming(session)
+        sessions.reset(session)
+        if streaming:
+            backend.stop(session)
+        status = "Cleared; the streaming reply was stopped." if streaming else ""
+        return [], [], status, gr.Button(SEND_LABEL, interactive=True)
+
+    def send_button(request: gr.Request):
+        """Send is off while this session's reply streams; the label says why."""
+        if sessions.streaming(request.session_hash or "anonymous"):
+            return gr.Button(SEND_BUSY_LABEL, interactive=False)
+        return gr.Button(SEND_LABEL, interactive=True)
+
+    def sending(message):
+        if not (message or "").strip():
+            return gr.skip()
+        return gr.Button(SEND_BUSY_LABEL, interactive=False)
+
+    def check_field(name: str):
+        def check(value):
+            try:
+                if name == "top_k":
+                    sampling_params(0.7, 1.0, value, 1, -1)
+                else:
+                    sampling_params(0.7, 1.0, -1, 1, value)
+            except ValueError as e:
+                return f"**Fix before sending:** {e}"
+            return ""
+
+        return check
 
     inputs = [
         ui.message,
@@ -145,18 +204,30 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ui.seed,
     ]
     outputs = [ui.chatbot, ui.turns, ui.message, ui.status]
-    # No concurrency limit: replies stream without holding a worker thread,
-    # and every open browser tab must be able to chat at the same time.
+    # No concurrency limit: replies stream without holding a worker thread, and every open
+    # browser tab must be able to chat at the same time. trigger_mode "multiple": a send while
+    # a reply streams reaches respond and is refused visibly ("once" dropped it silently).
     chat_args = {
         "fn": respond,
         "inputs": inputs,
         "outputs": outputs,
         "concurrency_limit": None,
         "show_progress": "hidden",
+        "trigger_mode": "multiple",
     }
-    ui.send.click(**chat_args, api_name="chat")
-    ui.message.submit(**chat_args, api_visibility="private")
+    quiet = {"api_visibility": "private", "show_progress": "hidden", "concurrency_limit": None}
+    for event in (
+        ui.send.click(**chat_args, api_name="chat"),
+        ui.message.submit(**chat_args, api_visibility="private"),
+    ):
+        event.then(send_button, None, ui.send, **quiet)
+    # Send turns off at once (unqueued, before respond starts); the chained send_button above
+    # turns it back on when no reply of this session streams any more.
+    for trigger in (ui.send.click, ui.message.submit):
+        trigger(sending, ui.message, ui.send, queue=False, trigger_mode="multiple", **quiet)
     ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_chat")
-    ui.clear.click(
-        lambda: ([], [], ""), None, [ui.chatbot, ui.turns, ui.status], api_visibility="private"
-    )
+    clear_args = {"fn": clear, "outputs": [ui.chatbot, ui.turns, ui.status, ui.send], **quiet}
+    ui.clear.click(**clear_args)
+    ui.chatbot.clear(**clear_args)  # the chatbot's own trash icon: the same new conversation
+    ui.top_k.blur(check_field("top_k"), ui.top_k, ui.status, **quiet)
+    ui.seed.blur(check_field("seed"), ui.seed, ui.status, **quiet)
