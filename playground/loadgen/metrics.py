@@ -179,6 +179,8 @@ class LoadTestResult:
     end_time: float
     per_request: list[RequestResult]
     slos_ms: dict[str, float] = field(default_factory=dict)
+    # What a reader must know to compare results: server-side caching, how prompts were built.
+    notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def duration_s(self) -> float:
@@ -194,6 +196,7 @@ class LoadTestResult:
             "target": self.target,
             "spec": self.spec.to_dict(),
             "summary": self.summary(),
+            "notes": self.notes,
             "per_request": [r.to_dict(self.start_time) for r in self.per_request],
         }
 

@@ -117,7 +117,8 @@ async def run_load_test(
         start, end, results = await _send_all(requests, target, spec, offsets_s.tolist(), progress)
     finally:
         await target.aclose()
-    return LoadTestResult(spec, target.name, start, end, results, dict(slos_ms or {}))
+    notes = dict(getattr(target, "notes", {}))  # test fakes may have none
+    return LoadTestResult(spec, target.name, start, end, results, dict(slos_ms or {}), notes)
 
 
 # --- CLI -------------------------------------------------------------------------------------
@@ -182,10 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer for random prompts: a HF folder/name or an engine model spec "
-        "(default: --model, then --engine-model)",
+        help="tokenizer for random prompts: a folder, a GGUF, smollm2-135m or a HF name in the "
+        "local cache (default: the served model id, then smollm2-135m, then plain token ids)",
     )
     p.add_argument("--engine-model", default="smollm2-135m", help="model of --target engine")
+    p.add_argument(
+        "--server-prompt-cache",
+        choices=("off", "on"),
+        default="off",
+        help="llama.cpp's prompt cache (off: each request sends cache_prompt: false, so reruns "
+        "are not served from cache); other servers' caches are server flags",
+    )
     p.add_argument(
         "--engine-arg",
         action="append",
@@ -268,24 +276,12 @@ def engine_config_from_args(model: str, items: list[str]) -> EngineConfig:
     return EngineConfig(**changes)
 
 
-def load_tokenizer(name: str) -> Tokenizer | None:
-    """A tokenizer for an engine model spec (embedded model, folder, GGUF) or a HF name; None
-    for a model folder that ships none. The engine's loader imports torch: load-test prompts
-    in remote mode pay for it only when they are built."""
-    with contextlib.suppress(Exception):  # not a spec the engine knows: try Hugging Face
-        from engine.runner.model_loader import load_tokenizer as engine_tokenizer
-        from engine.runner.model_loader import resolve_model
+def load_tokenizer(name: str) -> Tokenizer:
+    """A local tokenizer for a model id, folder, GGUF, the embedded model or a Hugging Face name
+    in the local cache (never a download, never torch); ValueError says why not."""
+    from playground.remote.tokenizer import tokenizer_from_name
 
-        return engine_tokenizer(resolve_model(name))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name)
-
-
-async def _first_served_model(base_url: str, api_key: str | None) -> str:
-    """GET /v1/models through the playground's client; ValueError says what went wrong."""
-    server = await asyncio.to_thread(RemoteServer.connect, base_url, api_key)
-    return server.model
+    return tokenizer_from_name(name)
 
 
 async def _run_cli(args: argparse.Namespace) -> LoadTestResult:
@@ -300,14 +296,9 @@ async def _run_cli(args: argparse.Namespace) -> LoadTestResult:
         service = EngineService(engine_config_from_args(args.engine_model, args.engine_arg))
         target: Target = EngineTarget(service)
     else:
-        model = args.model or await _first_served_model(args.base_url, args.api_key)
-        tokenizer = None
-        if spec.dataset is None or spec.prefix_len:
-            tokenizer = load_tokenizer(args.tokenizer or args.model or args.engine_model)
-        elif args.tokenizer or args.model:  # only counts dataset prompt tokens
-            with contextlib.suppress(Exception):
-                tokenizer = load_tokenizer(args.tokenizer or args.model)
-        target = OpenAITarget(args.base_url, model, args.api_key, tokenizer=tokenizer or _Words())
+        target = await asyncio.to_thread(openai_target_from_args, args, spec)
+    for key, note in target.notes.items():
+        print(f"{key}: {note}", file=sys.stderr)
     bar = tqdm(total=spec.num_prompts, disable=args.disable_tqdm, file=sys.stderr)
     try:
         return await run_load_test(
@@ -317,6 +308,22 @@ async def _run_cli(args: argparse.Namespace) -> LoadTestResult:
         bar.close()
         if service is not None:
             service.shutdown()
+
+
+def openai_target_from_args(args: argparse.Namespace, spec: WorkloadSpec) -> OpenAITarget:
+    """GET /v1/models (and llama.cpp's /props), then the tokenizer chain of
+    playground/remote/tokenizer.py: --tokenizer or the served id, the embedded model's, ids."""
+    from playground.remote.tokenizer import PromptTokenizer, TokenIdPrompts
+    from playground.remote.tokenizer import resolve_prompt_tokenizer as resolve
+
+    server = RemoteServer.connect(args.base_url, args.api_key, args.model, args.tokenizer)
+    prompts = resolve(args.tokenizer or server.model, server.vocab_size)
+    text_only = spec.dataset is not None and not spec.prefix_len
+    if text_only and isinstance(prompts.tokenizer, TokenIdPrompts):
+        # Text prompts need no tokenizer; lengths are then counted in words until the server's
+        # usage report replaces them.
+        prompts = PromptTokenizer(_Words(), "dataset text, lengths from the server's usage")
+    return OpenAITarget.for_server(server, prompts, prompt_cache=args.server_prompt_cache == "on")
 
 
 class _Words:

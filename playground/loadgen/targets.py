@@ -12,14 +12,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from playground.loadgen.metrics import RequestResult
 from playground.loadgen.workload import GenRequest, Tokenizer, WorkloadSpec
-from playground.remote.client import OpenAIClient, StreamReply
+from playground.remote.client import CACHE_NOTES, OpenAIClient, RemoteServer, StreamReply
 
 if TYPE_CHECKING:
     from playground.engine_client import EngineClient
+    from playground.remote.tokenizer import PromptTokenizer
 
 
 class Target(Protocol):
     name: str
+    notes: dict[str, str]  # what a reader of the results must know (caching, prompt tokens)
 
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -35,6 +37,7 @@ class EngineTarget:
     def __init__(self, service: EngineClient) -> None:
         self.service = service
         self.name = f"engine:{service.model_name}"
+        self.notes: dict[str, str] = {}
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -99,7 +102,11 @@ class OpenAITarget:
     /v1/completions through the playground's OpenAIClient. Token-id prompts are sent as lists
     of ids, which the OpenAI API accepts.
 
-    The tokenizer builds random prompts; it must be the served model's for exact lengths.
+    The tokenizer builds random prompts; any whose ids the served model has gives exact lengths.
+    Server-side caching: llama.cpp reuses a slot's cached prompt unless a request says
+    `cache_prompt: false`, which this target sends (prompt_cache=False, the default) so a rerun,
+    or Compare's second side on the same server, is not served from the first run's cache.
+    Other servers' caches are server flags: `notes["caching"]` says so in the results.
     """
 
     def __init__(
@@ -109,12 +116,50 @@ class OpenAITarget:
         api_key: str | None = None,
         tokenizer: Tokenizer | None = None,
         client: OpenAIClient | None = None,  # default: one to base_url with api_key
+        server_kind: str = "unknown",  # RemoteServer.kind: llama.cpp | vllm | sglang | ours
+        prompt_cache: bool = False,  # llama.cpp only: keep its prompt cache on
+        tokenizer_source: str | None = None,  # which tokenizer built the prompts, for notes
+        salt_token_id: int | None = None,  # replaces each token-id prompt's first id (see below)
     ) -> None:
         self.base_url = base_url
         self.model = model
         self.client = client or OpenAIClient(base_url, api_key)
         self.name = f"{base_url} ({model})"
+        self.server_kind = server_kind
+        self.prompt_cache = prompt_cache
+        self.salt_token_id = salt_token_id
         self._tokenizer = tokenizer
+        caching = CACHE_NOTES.get(server_kind, CACHE_NOTES["unknown"])
+        if server_kind == "llama.cpp" and prompt_cache:
+            caching = "llama.cpp prompt cache: on (its default; repeated prompts skip prefill)"
+        self.notes = {"caching": caching}
+        if tokenizer_source:
+            self.notes["prompts"] = tokenizer_source
+        if salt_token_id is not None:
+            self.notes["salt"] = (
+                f"each prompt's first token replaced by id {salt_token_id}: no prefix-cache "
+                "hit on another run's prompts, lengths unchanged"
+            )
+
+    @classmethod
+    def for_server(
+        cls,
+        server: RemoteServer,
+        prompts: PromptTokenizer,
+        prompt_cache: bool = False,
+        salt_token_id: int | None = None,
+    ) -> OpenAITarget:
+        """The target for a connected server, prompts built by a resolved tokenizer chain."""
+        return cls(
+            server.base_url,
+            server.model,
+            server.api_key,
+            tokenizer=prompts.tokenizer,
+            server_kind=server.kind,
+            prompt_cache=prompt_cache,
+            tokenizer_source=prompts.source,
+            salt_token_id=salt_token_id,
+        )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -126,9 +171,14 @@ class OpenAITarget:
         return self._tokenizer
 
     def payload(self, request: GenRequest, spec: WorkloadSpec) -> dict[str, Any]:
+        prompt = request.prompt
+        if self.salt_token_id is not None and isinstance(prompt, list) and prompt:
+            # Prefix caches match from the first token on (chained block hashes, llama.cpp's
+            # common prefix), so one different first id makes every block a miss.
+            prompt = [self.salt_token_id, *prompt[1:]]
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": request.prompt,
+            "prompt": prompt,
             "max_tokens": request.output_len,
             "temperature": spec.temperature,
             "stream": True,
@@ -143,6 +193,8 @@ class OpenAITarget:
             body["min_p"] = spec.min_p
         if spec.ignore_eos:
             body["ignore_eos"] = True
+        if self.server_kind == "llama.cpp" and not self.prompt_cache:
+            body["cache_prompt"] = False  # llama.cpp's own field; others may reject unknowns
         return body
 
     async def send(self, request: GenRequest, spec: WorkloadSpec) -> RequestResult:

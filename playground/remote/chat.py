@@ -77,7 +77,8 @@ def _final(reply: StreamReply, end_time: float) -> ChatUpdate:
 class ChatStream:
     """One streaming POST /v1/chat/completions. The HTTP read runs in its own task, so stop()
     closes the connection even while the server is silent (queued, or in a long prefill); a
-    server that aborts on disconnect (ours, vLLM, SGLang) then frees the request's KV blocks."""
+    server that aborts on disconnect (ours, vLLM, SGLang, llama.cpp) then frees the request's KV
+    cache."""
 
     def __init__(self, remote: RemoteServer, body: dict[str, Any]) -> None:
         self.remote = remote

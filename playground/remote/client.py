@@ -200,13 +200,79 @@ class OpenAIClient:
         await self.aclose()
 
 
+# What each kind of server lets a client do about its prompt/prefix cache. Comparisons are honest
+# only when every side's caching is known: a cached prompt skips its prefill, so TTFT drops.
+CACHE_NOTES = {
+    "llama.cpp": "llama.cpp prompt cache: off for load tests (cache_prompt: false per request)",
+    "vllm": "vLLM prefix caching: a server flag (--enable-prefix-caching / "
+    "--no-enable-prefix-caching), not controllable from the client",
+    "sglang": "SGLang radix cache: a server flag (--disable-radix-cache), not controllable "
+    "from the client",
+    "ours": "our server: prefix caching off unless started with --enable-prefix-caching (a "
+    "server flag, not controllable from the client)",
+    "unknown": "server-side caching unknown: not controllable from the client",
+}
+
+
+def server_root(base_url: str) -> str:
+    """The server's root URL (llama.cpp's /props is not under /v1)."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def server_kind(card: dict, props: dict | None) -> str:
+    """llama.cpp | vllm | sglang | ours | unknown, from what /v1/models and /props say."""
+    if props is not None and "default_generation_settings" in props:
+        return "llama.cpp"
+    owner = str(card.get("owned_by", "")).lower()
+    if owner == "inference-playground":
+        return "ours"
+    if owner in ("vllm", "sglang"):
+        return owner
+    if owner == "llamacpp" or isinstance(card.get("meta"), dict):
+        return "llama.cpp"
+    return "unknown"
+
+
+def _positive_int(value: object) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return int(value) if ok else None  # type: ignore[arg-type]
+
+
+def context_length(card: dict, props: dict | None) -> tuple[int | None, str]:
+    """(tokens one request may span, where that number came from). vLLM, SGLang and ours put
+    max_model_len in the model card; llama.cpp reports the per-slot context in /props (what a
+    request can really use) and the model's training context in the card's meta."""
+    if (n := _positive_int(card.get("max_model_len"))) is not None:
+        return n, "max_model_len of /v1/models"
+    settings = (props or {}).get("default_generation_settings") or {}
+    if (n := _positive_int(settings.get("n_ctx"))) is not None:
+        return n, "n_ctx per slot of /props"
+    if (n := _positive_int((card.get("meta") or {}).get("n_ctx_train"))) is not None:
+        return n, "meta.n_ctx_train of /v1/models"
+    return None, "not reported"
+
+
+def _get_json(url: str, headers: dict[str, str]) -> dict | None:
+    """A JSON object from GET url, or None (no such route, or not JSON)."""
+    try:
+        resp = httpx.get(url, headers=headers, timeout=CONNECT_TIMEOUT_S)
+        obj = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 @dataclass(frozen=True)
 class RemoteServer:
     base_url: str  # as given, without a trailing slash
     model: str  # what requests send as "model"
     api_key: str | None = None
-    max_model_len: int | None = None  # tokens, when /v1/models reports it (vLLM, SGLang, ours)
+    max_model_len: int | None = None  # tokens one request may span, as the server reports it
     tokenizer_name: str | None = None  # builds load-test prompts (None: the model id)
+    kind: str = "unknown"  # llama.cpp | vllm | sglang | ours | unknown (see server_kind)
+    context_source: str = "not reported"  # which field max_model_len came from
+    vocab_size: int | None = None  # llama.cpp's meta.n_vocab: bounds token-id prompts
 
     @property
     def headers(self) -> dict[str, str]:
@@ -215,6 +281,10 @@ class RemoteServer:
     @property
     def label(self) -> str:
         return f"{self.model} at {self.base_url}"
+
+    @property
+    def cache_note(self) -> str:
+        return CACHE_NOTES[self.kind]
 
     def client(self, timeout: httpx.Timeout = STREAM_TIMEOUT) -> OpenAIClient:
         return OpenAIClient(self.base_url, self.api_key, timeout)
@@ -228,7 +298,8 @@ class RemoteServer:
         tokenizer_name: str | None = None,
     ) -> RemoteServer:
         """Asks GET /v1/models which model is served (model=None: the first listed) and its
-        max_model_len. ValueError says what went wrong, for the command line or the UI."""
+        context length (llama.cpp: GET /props too). ValueError says what went wrong, for the
+        command line or the UI."""
         base_url = (base_url or "").strip().rstrip("/")
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base URL: expected http://host:port, got {base_url!r}")
@@ -250,9 +321,16 @@ class RemoteServer:
             if not cards:
                 raise ValueError(f"base URL: {url} lists no model; pass the model's name")
             card = cards[0]
-        length = (card or {}).get("max_model_len")
+        card = card or {}
+        props = None
+        if "max_model_len" not in card:  # llama.cpp (and unknown servers): ask /props
+            props = _get_json(f"{server_root(base_url)}/props", server.headers)
+        length, source = context_length(card, props)
         return replace(
             server,
             model=model or card["id"],
-            max_model_len=int(length) if isinstance(length, int) and length > 0 else None,
+            max_model_len=length,
+            kind=server_kind(card, props),
+            context_source=source,
+            vocab_size=_positive_int((card.get("meta") or {}).get("n_vocab")),
         )

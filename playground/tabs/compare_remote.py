@@ -14,9 +14,10 @@ from playground.context import AppContext
 from playground.handlers.compare import BackgroundCompare
 from playground.handlers.compare_remote import (
     RemoteSide,
+    caching_markdown,
     connect_side,
     remote_compare_rows,
-    target_for,
+    targets_for,
 )
 from playground.handlers.loadtest import spec_from_form
 from playground.loadgen import build_requests
@@ -36,8 +37,10 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     gr.Markdown(
         "Runs the same seeded requests against two OpenAI-compatible servers, one after the "
         "other, and puts what the client measured side by side. **Both must serve the same "
-        "model**: the prompts are token ids from the tokenizer "
-        f"`{ctx.tokenizer.name}`. Engine-side rows (steps, block maps, preemptions) need our "
+        "model**: the prompts are token ids (tokenizer: "
+        f"{ctx.tokenizer.description}). Server-side caching changes TTFT: each side's is named "
+        "with the results, and a second run on the same server gets salted prompts. "
+        "Engine-side rows (steps, block maps, preemptions) need our "
         "engine: run the playground without `--base-url` to compare engine configurations."
     )
     with gr.Row():
@@ -72,18 +75,21 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         """Off the event loop: asks B which model it serves, loads the tokenizer."""
         spec = spec_from_form(workload, a.max_model_len)
         b = connect_side("B", b_url, b_model, b_key)
-        tokenizer = ctx.tokenizer.get()
+        prompts = ctx.tokenizer.resolve()
+        requests = build_requests(spec, prompts.tokenizer)
+        target_a, target_b, warning = targets_for(a, b, prompts, requests)
         sides = [
-            RemoteSide("A", f"A: {a.label}", target_for(a, tokenizer)),
-            RemoteSide("B", f"B: {b.label}", target_for(b, tokenizer)),
+            RemoteSide("A", f"A: {a.label}", target_a),
+            RemoteSide("B", f"B: {b.label}", target_b),
         ]
-        return spec, sides, build_requests(spec, tokenizer)
+        notes = caching_markdown(sides) + warning + f"\n\n**Prompts:** {prompts.source}."
+        return spec, sides, requests, notes
 
     async def run_compare(b_url, b_model, b_key, *values):
         skip = gr.skip()
         workload = dict(zip(names, values, strict=True))
         try:
-            spec, sides, requests = await asyncio.to_thread(
+            spec, sides, requests, notes = await asyncio.to_thread(
                 prepare, b_url, b_model, b_key, workload
             )
         except ValueError as e:
@@ -96,9 +102,13 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
                 yield update
         first, second = cmp.outcomes
         status = (
-            f"**Done.** {first.label}; {second.label}. Ratios are B / A; 'better' says which "
-            "side wins on that row. Latencies are measured by the client."
-        ) + cmp.problems()
+            (
+                f"**Done.** {first.label}; {second.label}. Ratios are B / A; 'better' says which "
+                "side wins on that row. Latencies are measured by the client."
+            )
+            + notes
+            + cmp.problems()
+        )
         cdfs, rate = await asyncio.to_thread(
             client_figures, cmp.outcomes, "Latency CDFs, A vs B (client)"
         )

@@ -40,12 +40,13 @@ ENGINE_INTRO = (
 REMOTE_INTRO = (
     "Sends a seeded workload to `{url}` ({model}) through the same load generator as "
     "`python -m playground.loadgen --base-url ...`: streaming POST /v1/completions with "
-    "token-id prompts built by the tokenizer `{tokenizer}` (it must be the served model's). "
-    "Every number is measured by the client; the server's queues are not visible from here."
+    "token-id prompts (tokenizer: {tokenizer}). Every number is measured by the client; the "
+    "server's queues are not visible from here.\n\n**Caching:** {caching}."
 )
+# Line breaks: a Plotly annotation does not wrap, and half a row is narrow (issue 18).
 NO_REMOTE_QUEUES = (
-    "Running / waiting queues are our engine's own telemetry: a remote OpenAI server does not "
-    "expose them."
+    "Running / waiting queues are our engine's own telemetry:<br>"
+    "a remote OpenAI server does not expose them."
 )
 ENGINE_GANTT = "Per-request timeline: queue, prefill, decode"
 REMOTE_GANTT = "Per-request timeline (client): send → first token → end"
@@ -71,7 +72,9 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
                 ui.live_throughput = gr.Plot(
                     show_label=False, label="Engine tokens/s during the run"
                 )
-                ui.live_queue = gr.Plot(show_label=False, label="Running / waiting requests")
+                ui.live_queue = gr.Plot(
+                    show_label=False, label="Running / waiting requests", elem_id="loadtest-queue"
+                )
             ui.results = gr.Dataframe(
                 headers=["metric", "value"],
                 label="Serving benchmark result",
@@ -88,7 +91,14 @@ def _intro(ctx: AppContext) -> str:
     if ctx.remote is None:
         return ENGINE_INTRO
     r = ctx.remote
-    return REMOTE_INTRO.format(url=r.base_url, model=r.model, tokenizer=ctx.tokenizer.name)
+    return REMOTE_INTRO.format(
+        url=r.base_url, model=r.model, tokenizer=ctx.tokenizer.description, caching=r.cache_note
+    )
+
+
+def notes_markdown(notes: dict[str, str]) -> str:
+    """The result's notes (server-side caching, how prompts were built) as status lines."""
+    return "".join(f"\n\n**{key.capitalize()}:** {note}." for key, note in notes.items())
 
 
 def _live(ctx: AppContext, run: BackgroundRun) -> tuple:
@@ -165,7 +175,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             f"**Done** in {result.duration_s:.1f} s: {summary['completed']} succeeded, "
             f"{summary['failed']} failed. {note}Latencies are measured by the client (send -> "
             "first token -> last token), as `vllm bench serve` does."
-        )
+        ) + notes_markdown(result.notes)
         path = await asyncio.to_thread(write_result_json, result)
         yield (
             progress,
