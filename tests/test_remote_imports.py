@@ -84,3 +84,39 @@ def test_remote_mode_builds_the_ui_without_torch_or_the_model_runner(models_serv
     assert "torch" not in loaded, [m for m in loaded if m.startswith("torch")][:10]
     assert "engine.runner.model_runner" not in loaded
     assert not [m for m in loaded if m.startswith("engine.runner")], loaded
+
+
+# A load test's prompts in remote mode: the tokenizer chain (here the served id is a path that
+# is not on this machine, so the embedded model's tokenizer) and build_requests, torch-free.
+PROMPTS_CHILD = """
+import json, sys
+from playground.context import AppContext
+from playground.loadgen import WorkloadSpec, build_requests
+from playground.remote.client import RemoteServer
+
+ctx = AppContext.for_remote(RemoteServer.connect(sys.argv[1], model="/not/here/model.gguf"))
+target = ctx.load_test_target()
+requests = build_requests(WorkloadSpec(num_prompts=3, input_len=16), target.tokenizer)
+print(json.dumps({
+    "lengths": [len(r.prompt) for r in requests],
+    "prompts": target.notes["prompts"],
+    "loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "engine")),
+}))
+"""
+
+
+def test_remote_load_test_prompts_build_without_torch(models_server):
+    out = subprocess.run(
+        [sys.executable, "-c", PROMPTS_CHILD, models_server],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["lengths"] == [16, 16, 16]
+    assert result["prompts"].startswith("the embedded model's tokenizer")
+    loaded = result["loaded"]
+    assert "torch" not in loaded, [m for m in loaded if m.startswith("torch")][:10]
+    assert not [m for m in loaded if m.startswith("engine.runner")], loaded
