@@ -564,13 +564,14 @@ def test_compare_prefix_caching_computes_only_the_uncached_prompt_tokens(service
     and computes fewer prompt tokens; the rows say so, with B as the better side."""
     from engine.serving.service import EngineService
     from playground.handlers.compare import BackgroundCompare
-    from playground.handlers.compare_engine import PRESET_WORKLOAD, side_label
+    from playground.handlers.compare_engine import PRESET_DEFAULTS, side_label
     from playground.loadgen import build_requests
 
     name = "prefix caching off vs on (shared prompt prefix)"
     spec = spec_from_form({"num_prompts": 4, "arrival": "all at once", "input_kind": "fixed",
                            "input_mean": 8, "output_kind": "fixed", "output_mean": 2,
-                           "max_concurrency": 1, **PRESET_WORKLOAD[name]})  # fmt: skip
+                           "max_concurrency": 1,
+                           "prefix_len": PRESET_DEFAULTS[name].workload["prefix_len"]})  # fmt: skip
     off, on = preset_sides(name)
     sides = [
         (n, side_label(n, side, other), side_config(service.config, side, 1024, 256))

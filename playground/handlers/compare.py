@@ -29,7 +29,8 @@ class SideOutcome:
     name: str  # "A" or "B"
     label: str
     config: EngineConfig | None  # None: a remote server
-    result: LoadTestResult | None = None
+    result: LoadTestResult | None = None  # the last repeat (the figures draw it)
+    runs: list[LoadTestResult] = field(default_factory=list)  # every finished repeat, in order
     peak: BlockSnapshot | None = None  # the block map at peak usage (engine sides)
     steps: list[StepStats] = field(default_factory=list)  # the run's engine steps (engine sides)
     load_s: float = 0.0  # seconds to make the side ready (engine: model load)
@@ -56,22 +57,34 @@ class CompareSide(Protocol):
 
 
 class BackgroundCompare:
-    """Runs the sides one after the other in a thread: start, run the load test, finish."""
+    """Runs the sides one after the other in a thread: start, run the load test `repeats`
+    times, finish. Repeats reuse the side's target, so they need one that runs again after
+    aclose() (EngineTarget; a remote side's HTTP client closes: the remote tab runs once)."""
 
     def __init__(
-        self, spec: WorkloadSpec, sides: list[CompareSide], requests: list[GenRequest]
+        self,
+        spec: WorkloadSpec,
+        sides: list[CompareSide],
+        requests: list[GenRequest],
+        repeats: int = 1,
     ) -> None:
+        if repeats < 1:
+            raise ValueError(f"repeats: must be >= 1, got {repeats}")
         self.spec = spec
         self.requests = requests
         self.sides = sides
+        self.repeats = repeats
+        self.runs_done = 0  # load tests finished so far, over both sides (the progress bar)
         self.outcomes = [SideOutcome(s.name, s.label, s.config) for s in sides]
         self.phase = "starting"
         self.current: BackgroundRun | None = None
         self.done = threading.Event()
         self._stopped = False
+        self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._main, name="compare", daemon=True)
 
     def start(self) -> BackgroundCompare:
+        self._t0 = time.perf_counter()
         self._thread.start()
         return self
 
@@ -80,18 +93,35 @@ class BackgroundCompare:
         if self.current is not None:
             self.current.stop()
 
+    @property
+    def total_requests(self) -> int:
+        """Requests over the whole compare: every repeat of every side."""
+        return len(self.requests) * self.repeats * len(self.sides)
+
     def progress(self) -> str:
-        """The progress bar of the side running now (0 done between the sides)."""
+        """One bar for the whole compare (A's repeats, then B's): it only moves forward."""
         run = self.current
-        done = len(run.results) if run else 0
-        elapsed = run.elapsed_s if run else 0.0
-        return progress_html(done, len(self.requests), elapsed, self.phase)
+        done = self.runs_done * len(self.requests) + (len(run.results) if run else 0)
+        elapsed = time.perf_counter() - self._t0
+        return progress_html(done, self.total_requests, elapsed, self.phase)
 
     def final_progress(self) -> str:
-        """The full bar once both sides ran: the seconds are the two runs' own, summed."""
-        elapsed = sum(o.result.duration_s for o in self.outcomes if o.result)
-        total = len(self.requests)
-        return progress_html(total, total, elapsed, "done (both runs)")
+        """The bar once both sides ran: the seconds are the runs' own, summed."""
+        elapsed = sum(r.duration_s for o in self.outcomes for r in o.runs)
+        total = self.total_requests
+        note = f"done ({len(self.sides)} sides x {self.repeats} runs)"
+        if self._stopped:
+            done = sum(len(r.per_request) for o in self.outcomes for r in o.runs)
+            return progress_html(done, total, elapsed, "stopped")
+        return progress_html(total, total, elapsed, note)
+
+    def running_status(self) -> str:
+        """The status line while the compare runs (never the previous run's result)."""
+        return (
+            f"**Running the compare:** {self.phase}. Each side runs the same "
+            f"{len(self.requests)} requests {self.repeats} time(s); the table fills in when "
+            "both sides are done."
+        )
 
     def problems(self) -> str:
         """Markdown to append to the status: each side's error, or "" when none failed."""
@@ -120,13 +150,22 @@ class BackgroundCompare:
         outcome.load_s = time.perf_counter() - t0
         run = None
         try:
-            self.phase = f"{outcome.label}: running"
-            run = BackgroundRun(self.spec, target, self.requests)
-            self.current = run
-            if self._stopped:  # stopped while the side was starting
-                run.stop()
-            run.start().done.wait()
-            outcome.result, outcome.error = run.result, run.error
+            for repeat in range(self.repeats):
+                if self._stopped and run is not None:
+                    break
+                self.phase = f"{outcome.label}: run {repeat + 1} of {self.repeats}"
+                run = BackgroundRun(self.spec, target, self.requests)
+                self.current = run
+                if self._stopped:  # stopped while the side was starting
+                    run.stop()
+                run.start().done.wait()
+                outcome.result, outcome.error = run.result, run.error
+                if run.result is not None:
+                    outcome.runs.append(run.result)
+                self.runs_done += 1
+                self.current = None
+                if run.error or run.stopped:
+                    break
         finally:
             self.current = None
             self.phase = f"{outcome.label}: {side.finishing}"
@@ -151,7 +190,8 @@ COMPARE_ROWS = (
     ("Mean ITL (ms)", "mean_itl_ms", "lower"),
     ("P99 ITL (ms)", "p99_itl_ms", "lower"),
     ("Mean E2E latency (ms)", "mean_e2el_ms", "lower"),
-    ("Peak KV blocks held", "peak_blocks", None),
+    ("Peak KV blocks held", "peak_blocks", "lower"),
+    ("Peak KV tokens held (blocks x block size)", "peak_kv_tokens", "lower"),
     ("Engine steps", "num_steps", "lower"),
     ("Mean requests per step", "mean_batch", "higher"),
     ("Preemptions", "preemptions", "lower"),
@@ -161,14 +201,29 @@ COMPARE_ROWS = (
     ("Draft tokens accepted", "accepted_tokens", "higher"),
     ("Engine start-up (s, not in the run)", "load_s", None),
 )
-COMPARE_HEADERS = ["metric", "A", "B", "B / A", "better"]
+COMPARE_HEADERS = ["metric", "A", "B", "B / A", "better", "noise band"]
+# A side "wins" a row only when the two differ by more than this fraction, or by more than
+# either side's own spread over its repeats when that is wider: a shared 2-core CPU moves
+# timings by a few percent from run to run.
+NOISE_FRACTION = 0.05
+HEADLINE_MARK = "★ "
+NOISE_NOTE = (
+    f"'better' marks a side only when A and B differ by more than {NOISE_FRACTION:.0%} and by "
+    "more than either side's spread over its repeats ((max - min) / median, the 'noise band'); "
+    "timed rows are medians of the repeats; engine rows (steps, blocks, tokens) are the last "
+    "repeat's. ★ marks the preset's headline row."
+)
 
 
 def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
-    m: dict[str, Any] = dict(outcome.result.summary()) if outcome.result else {}
+    """Each row's value: the median over the repeats for the client's numbers, the last
+    repeat's engine counters (deterministic for a seeded, greedy workload)."""
+    runs = outcome.runs or ([outcome.result] if outcome.result else [])
+    m: dict[str, Any] = _median_summary([r.summary() for r in runs])
     steps = [s for s in outcome.steps if s.batch_size]
     if outcome.peak is not None:
         m["peak_blocks"] = blocks_held(outcome.peak)
+        m["peak_kv_tokens"] = blocks_held(outcome.peak) * outcome.peak.block_size
     m["num_steps"] = len(steps)
     m["mean_batch"] = statistics.fmean(s.batch_size for s in steps) if steps else None
     m["preemptions"] = sum(s.num_preemptions for s in steps)
@@ -180,18 +235,60 @@ def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
     return m
 
 
+def _median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    if not summaries:
+        return {}
+    out = dict(summaries[-1])
+    for key, value in summaries[-1].items():
+        values = [s.get(key) for s in summaries]
+        if isinstance(value, int | float) and all(isinstance(v, int | float) for v in values):
+            out[key] = statistics.median(values)
+    return out
+
+
+def outcome_spreads(outcome: SideOutcome) -> dict[str, float]:
+    """(max - min) / |median| of each summary number over the repeats (0 with one repeat)."""
+    summaries = [r.summary() for r in outcome.runs]
+    spreads: dict[str, float] = {}
+    for key in summaries[0] if summaries else ():
+        values = [s.get(key) for s in summaries]
+        if all(isinstance(v, int | float) for v in values) and len(values) > 1:
+            median = statistics.median(values)
+            spreads[key] = (max(values) - min(values)) / abs(median) if median else 0.0
+    return spreads
+
+
+def winner(va: Any, vb: Any, better: str | None, band: float) -> str:
+    """ "A", "B", "≈" (within the noise band) or "" (no better direction, no value, equal)."""
+    if not better or not isinstance(va, int | float) or not isinstance(vb, int | float):
+        return ""
+    if va == vb:
+        return ""
+    if abs(vb - va) / max(abs(va), abs(vb)) <= band:
+        return "≈"
+    return "B" if (vb > va) == (better == "higher") else "A"
+
+
 def compare_rows(
-    a: SideOutcome, b: SideOutcome, which: tuple[tuple[str, str, str | None], ...] = COMPARE_ROWS
+    a: SideOutcome,
+    b: SideOutcome,
+    which: tuple[tuple[str, str, str | None], ...] = COMPARE_ROWS,
+    headline: str | None = None,
 ) -> list[list[str]]:
+    """One row per metric: A, B, B / A, the winner beyond the noise band, the band. The
+    headline row (a COMPARE_ROWS label) comes first, marked with HEADLINE_MARK."""
     ma, mb = outcome_metrics(a), outcome_metrics(b)
+    sa, sb = outcome_spreads(a), outcome_spreads(b)
     rows = []
     for label, key, better in which:
         va, vb = ma.get(key), mb.get(key)
         ratio = f"x{vb / va:.2f}" if isinstance(va, int | float) and va and vb is not None else "-"
-        winner = ""
-        if better and va is not None and vb is not None and va != vb:
-            winner = "B" if (vb > va) == (better == "higher") else "A"
-        rows.append([label, _fmt(va), _fmt(vb), ratio, winner])
+        band = max(NOISE_FRACTION, sa.get(key, 0.0), sb.get(key, 0.0))
+        row = [label, _fmt(va), _fmt(vb), ratio, winner(va, vb, better, band), f"±{band:.0%}"]
+        if label == headline:
+            rows.insert(0, [HEADLINE_MARK + label, *row[1:]])
+        else:
+            rows.append(row)
     return rows
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockSnapshot
 from playground.engine_client import EngineClient
 from playground.handlers.compare import SideOutcome, blocks_held
-from playground.handlers.loadtest import BackgroundRun
+from playground.handlers.loadtest import DEFAULT_WORKLOAD, BackgroundRun
 from playground.loadgen import EngineTarget, Target
 
 SIDE_FIELDS = (
@@ -39,7 +40,10 @@ DEFAULT_SIDE: dict[str, Any] = {
     "max_num_batched_tokens": 256,
 }
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "static vs continuous batching": ({"batching": "static"}, {"batching": "continuous"}),
+    "static vs continuous batching": (
+        {"batching": "static", "max_num_seqs": 4},
+        {"batching": "continuous", "max_num_seqs": 4},
+    ),
     "contiguous vs paged KV": ({"kv_layout": "contiguous"}, {"kv_layout": "paged"}),
     "max_num_seqs 2 vs 8": ({"max_num_seqs": 2}, {"max_num_seqs": 8}),
     "block size 64 vs 16": ({"block_size": 64}, {"block_size": 16}),
@@ -57,12 +61,13 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
 }
 DEFAULT_PRESET = "static vs continuous batching"
-# Workload fields a preset sets too: prefix caching only pays off on prompts that share a prefix.
-PRESET_WORKLOAD: dict[str, dict[str, Any]] = {
-    "prefix caching off vs on (shared prompt prefix)": {"prefix_len": 192},
-}
-# Small enough for a 2-core CPU: each side finishes in seconds with the embedded model.
+DEFAULT_KV_BUDGET_TOKENS = 4096
+DEFAULT_MAX_MODEL_LEN = 512
+DEFAULT_REPEATS = 2  # runs per side: the spread of the repeats sets the noise band
+# The workload form's defaults: every field of the Compare tab's form (a preset starts from
+# these, so nothing one preset set carries over to the next). Small enough for a 2-core CPU.
 DEFAULT_COMPARE_WORKLOAD: dict[str, Any] = {
+    **DEFAULT_WORKLOAD,
     "num_prompts": 16,
     "arrival": "all at once",
     "input_kind": "uniform",
@@ -77,8 +82,103 @@ DEFAULT_COMPARE_WORKLOAD: dict[str, Any] = {
     "max_concurrency": 0,
     "prefix_len": 0,
 }
-DEFAULT_KV_BUDGET_TOKENS = 4096
-DEFAULT_MAX_MODEL_LEN = 512
+
+
+@dataclass(frozen=True)
+class PresetDefaults:
+    """What a preset sets besides the two sides: a workload where the optimization's effect is
+    large and stable on a 2-core CPU (measured: see each comment), and the row that shows it."""
+
+    headline: str  # the COMPARE_ROWS label that makes the preset's point
+    workload: dict[str, Any] = field(default_factory=dict)  # over DEFAULT_COMPARE_WORKLOAD
+    kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+
+
+PRESET_DEFAULTS: dict[str, PresetDefaults] = {
+    # Output lengths 2..64 over 4 slots: a static batch waits for its longest request, so its
+    # slots idle (measured on the 2-core CPU with 8 slots: 4.5 vs 5.5 requests per step, x1.22,
+    # too close; 4 slots widen it). Requests per step are counted, not timed: stable.
+    "static vs continuous batching": PresetDefaults(
+        "Mean requests per step", {"output_low": 2, "output_high": 64}
+    ),
+    # Contiguous reserves max_model_len (512 tokens = 32 blocks) per request up front.
+    "contiguous vs paged KV": PresetDefaults("Peak KV blocks held", {"num_prompts": 8}),
+    # Decode reads every weight once per step: 8 requests per step share that read.
+    "max_num_seqs 2 vs 8": PresetDefaults(
+        "Engine steps",
+        {"input_kind": "fixed", "input_mean": 32, "output_kind": "fixed", "output_mean": 32},
+    ),
+    # Short prompts in 64-token blocks leave most of each last block empty.
+    "block size 64 vs 16": PresetDefaults(
+        "Peak KV tokens held (blocks x block size)",
+        {
+            "num_prompts": 8,
+            "input_low": 8,
+            "input_high": 40,
+            "output_kind": "fixed",
+            "output_mean": 8,
+        },
+    ),
+    # A 192-token shared system prompt: the 256-token budget prefills one prompt per step, so
+    # each request after the first finds the prefix its predecessor computed.
+    "prefix caching off vs on (shared prompt prefix)": PresetDefaults(
+        "Prompt tokens computed (prefill)",
+        {
+            "num_prompts": 8,
+            "prefix_len": 192,
+            "input_kind": "fixed",
+            "input_mean": 16,
+            "output_kind": "fixed",
+            "output_mean": 4,
+        },
+    ),
+    # Greedy decoding of a small model repeats itself, which the n-gram drafter predicts.
+    "speculative decoding off vs n-gram": PresetDefaults(
+        "Engine steps",
+        {
+            "num_prompts": 4,
+            "input_kind": "fixed",
+            "input_mean": 32,
+            "output_kind": "fixed",
+            "output_mean": 64,
+        },
+    ),
+    # Long prompts arriving while others decode: a 32-token budget chunks their prefill, so
+    # the running requests' token gaps stay short.
+    "token budget 32 vs 256 (chunked prefill)": PresetDefaults(
+        "P99 ITL (ms)",
+        {
+            "num_prompts": 12,
+            "arrival": "Poisson",
+            "request_rate": 4.0,
+            "input_kind": "fixed",
+            "input_mean": 224,
+            "output_kind": "fixed",
+            "output_mean": 32,
+        },
+    ),
+}
+
+
+def preset_workload(name: str) -> dict[str, Any]:
+    """Every workload field for this preset: the defaults with the preset's own values."""
+    return {**DEFAULT_COMPARE_WORKLOAD, **PRESET_DEFAULTS[name].workload}
+
+
+def preset_form(name: str) -> dict[str, Any]:
+    """Everything the Compare form shows for a preset: both sides, the KV budget, max_model_len,
+    the runs per side and the whole workload (fields the preset does not set: defaults)."""
+    a, b = preset_sides(name)
+    d = PRESET_DEFAULTS[name]
+    return {
+        "A": a,
+        "B": b,
+        "kv_budget": d.kv_budget_tokens,
+        "max_model_len": d.max_model_len,
+        "repeats": DEFAULT_REPEATS,
+        "workload": preset_workload(name),
+    }
 
 
 def preset_sides(name: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -7,8 +7,10 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from types import SimpleNamespace
+from typing import Any
 
 import gradio as gr
+import plotly.graph_objects as go
 
 from playground.context import AppContext
 from playground.figures.blocks import block_map_figure
@@ -20,6 +22,7 @@ from playground.figures.latency import (
 from playground.figures.style import empty_figure
 from playground.handlers.compare import (
     COMPARE_HEADERS,
+    NOISE_NOTE,
     BackgroundCompare,
     SideOutcome,
     compare_rows,
@@ -27,23 +30,22 @@ from playground.handlers.compare import (
 from playground.handlers.compare_engine import (
     BLOCK_SIZES,
     DEFAULT_COMPARE_WORKLOAD,
-    DEFAULT_KV_BUDGET_TOKENS,
-    DEFAULT_MAX_MODEL_LEN,
     DEFAULT_PRESET,
-    PRESET_WORKLOAD,
+    PRESET_DEFAULTS,
     PRESETS,
     SIDE_FIELDS,
     engine_sides,
-    preset_sides,
+    preset_form,
     side_config,
     side_label,
 )
-from playground.handlers.loadtest import LENGTH_FIELDS, progress_html, spec_from_form
+from playground.handlers.loadtest import LENGTH_FIELDS, _whole, progress_html, spec_from_form
 from playground.loadgen import build_requests
 from playground.tabs.benchmark import BENCHMARK_QUEUE, stop_handler
 from playground.tabs.workload_form import workload_form
 
 POLL_S = 0.5
+MAX_LEGEND_ENTRIES = 8  # a block map's legend past this would squash the map (one per request)
 WORKLOAD_FIELDS = (
     "num_prompts",
     "seed",
@@ -83,7 +85,8 @@ def _side_form(name: str, values: dict) -> dict:
 
 def create_ui(ctx: AppContext) -> SimpleNamespace:
     ui = SimpleNamespace()
-    a, b = preset_sides(DEFAULT_PRESET)
+    form = preset_form(DEFAULT_PRESET)
+    a, b = form["A"], form["B"]
     gr.Markdown(
         "Runs the same seeded requests on two engines that differ only in the fields below "
         f"(same model {ctx.info.model_name}, same dtype, same KV budget in tokens), one after "
@@ -93,11 +96,15 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     with gr.Row():
         ui.preset = gr.Dropdown(list(PRESETS), value=DEFAULT_PRESET, label="Preset", scale=2)
         ui.kv_budget = gr.Number(
-            DEFAULT_KV_BUDGET_TOKENS, label="KV budget (tokens, both sides)", precision=0, scale=1
+            form["kv_budget"], label="KV budget (tokens, both sides)", precision=0, scale=1
         )
         ui.max_model_len = gr.Number(
-            DEFAULT_MAX_MODEL_LEN, label="max_model_len", precision=0, scale=1
+            form["max_model_len"], label="max_model_len", precision=0, scale=1
         )
+        ui.repeats = gr.Number(
+            form["repeats"], label="Runs per side (spread = noise)", precision=0, scale=1
+        )
+    ui.headline = gr.Markdown(_headline_md(DEFAULT_PRESET), elem_id="compare-headline")
     with gr.Row():
         with gr.Column():
             ui.side_a = _side_form("A", a)
@@ -136,6 +143,7 @@ def run_controls(ui: SimpleNamespace, status: str, results_label: str, max_heigh
         ui.stop = gr.Button("Stop", variant="stop")
     ui.progress = gr.HTML(progress_html(0, 0, 0.0, "not started"), elem_id="compare-progress")
     ui.status = gr.Markdown(status, elem_id="compare-status")
+    gr.Markdown(NOISE_NOTE, elem_id="compare-noise-note")
     ui.results = gr.Dataframe(
         headers=COMPARE_HEADERS,
         label=results_label,
@@ -158,14 +166,15 @@ def client_figures(outcomes: list[SideOutcome], cdfs_title: str) -> tuple:
 
 
 async def follow(cmp: BackgroundCompare, current: dict, num_outputs: int) -> AsyncIterator[tuple]:
-    """(progress bar, skip for the other outputs) every POLL_S until both sides finish; the
+    """(progress bar over the whole A-then-B run, running status, skip for the other outputs:
+    the progress and status must be the first two) every POLL_S until both sides finish; the
     tab's Stop acts on cmp meanwhile. Closing this (the page went away) stops the compare:
     the caller wraps it in contextlib.aclosing so that happens at once."""
     current["run"] = cmp
-    skips = [gr.skip()] * (num_outputs - 1)
+    skips = [gr.skip()] * (num_outputs - 2)
     try:
         while not cmp.done.is_set():
-            yield (cmp.progress(), *skips)
+            yield (cmp.progress(), cmp.running_status(), *skips)
             await asyncio.to_thread(cmp.done.wait, POLL_S)
     finally:
         if not cmp.done.is_set():
@@ -173,22 +182,54 @@ async def follow(cmp: BackgroundCompare, current: dict, num_outputs: int) -> Asy
         current["run"] = None
 
 
-def stop_compare(current: dict) -> Callable[[], str]:
-    """Stop's handler for this tab and the remote Compare tab (compare_remote.py)."""
-    return stop_handler(current, "No compare is running.", "Stopping the compare...")
+def stop_compare(current: dict) -> Callable[[], Any]:
+    """Stop's handler for this tab and the remote Compare tab (compare_remote.py). With no
+    compare running it leaves the status (the last run's summary) alone and says so in a toast."""
+    stop = stop_handler(current, "", "Stopping the compare...")
+
+    def handler() -> Any:
+        message = stop()
+        if not message:
+            gr.Info("No compare is running.")
+            return gr.skip()
+        return message
+
+    return handler
 
 
 # --- this tab ----------------------------------------------------------------------------------
 
 
+def _headline_md(preset: str) -> str:
+    if preset not in PRESET_DEFAULTS:
+        return ""
+    return f"**Headline row for this preset:** ★ {PRESET_DEFAULTS[preset].headline}"
+
+
+def compact_legend(fig: go.Figure, max_entries: int = MAX_LEGEND_ENTRIES) -> go.Figure:
+    """Keeps the block map's first legend entries (free, cached, then requests) and hides the
+    rest behind one "+N more" entry, so a 32-request legend does not squash the map; hovering
+    a cell still names its request."""
+    entries = [t for t in fig.data if t.type == "scatter" and t.showlegend is not False and t.name]
+    if len(entries) <= max_entries:
+        return fig
+    hidden = entries[max_entries - 1 :]
+    for trace in hidden:
+        trace.showlegend = False
+    fig.add_scatter(x=[None], y=[None], mode="markers", name=f"+{len(hidden)} more (hover a cell)")
+    return fig
+
+
 def _figures(outcomes: list[SideOutcome]) -> tuple:
     runs = {o.label: o for o in outcomes if o.result is not None}
-    cdfs, rate = client_figures(outcomes, "Latency CDFs, A vs B")
+    cdfs, rate = client_figures(outcomes, "Latency CDFs, A vs B (last run of each side)")
     batch = requests_per_step_figure(
         {k: (o.result.start_time, o.steps) for k, o in runs.items()}, "Requests per engine step"
     )
     maps = [
-        block_map_figure(o.peak, f"{o.label} at peak") if o.peak else empty_figure(o.error or "")
+        compact_legend(block_map_figure(o.peak, f"{o.label} at peak"))
+        if o.peak
+        else empty_figure(o.error or "")
         for o in outcomes
     ]
     return cdfs, rate, batch, *maps
@@ -199,21 +240,32 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
     current: dict[str, BackgroundCompare | None] = {"run": None}
 
     def apply_preset(name):
-        a, b = preset_sides(name)
-        workload = PRESET_WORKLOAD.get(name, {})
-        return (
-            [a[f] for f in SIDE_FIELDS]
-            + [b[f] for f in SIDE_FIELDS]
-            + [workload.get(f, gr.skip()) for f in preset_workload_fields]
-        )
+        """Every field the preset depends on, and every other one back to its default."""
+        try:
+            form = preset_form(name)
+        except ValueError as e:
+            gr.Warning(str(e))
+            return [gr.skip()] * len(preset_outputs)
+        return [
+            form["kv_budget"],
+            form["max_model_len"],
+            form["repeats"],
+            _headline_md(name),
+            *(form["A"][f] for f in SIDE_FIELDS),
+            *(form["B"][f] for f in SIDE_FIELDS),
+            *(form["workload"][f] for f in names),
+        ]
 
-    async def run_compare(kv_budget, max_model_len, *values):
+    async def run_compare(preset, kv_budget, max_model_len, repeats, *values):
         n = len(SIDE_FIELDS)
         skip = gr.skip()
         side_a = dict(zip(SIDE_FIELDS, values[:n], strict=True))
         side_b = dict(zip(SIDE_FIELDS, values[n : 2 * n], strict=True))
         workload = dict(zip(names, values[2 * n :], strict=True))
         try:
+            num_repeats = _whole("runs per side", repeats)
+            if num_repeats > 5:
+                raise ValueError("runs per side: at most 5 (each run repeats the whole workload)")
             spec = spec_from_form(workload, int(max_model_len or 0) or None)
             base = ctx.service.config
             cfg_a = side_config(base, side_a, kv_budget, max_model_len)
@@ -227,29 +279,35 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             ("A", side_label("A", side_a, side_b), cfg_a),
             ("B", side_label("B", side_b, side_a), cfg_b),
         ]
-        cmp = BackgroundCompare(spec, engine_sides(sides, ctx.make_service), requests).start()
+        engines = engine_sides(sides, ctx.make_service)
+        cmp = BackgroundCompare(spec, engines, requests, num_repeats).start()
         async with aclosing(follow(cmp, current, len(outputs))) as updates:
             async for update in updates:
                 yield update
         a, b = cmp.outcomes
+        headline = PRESET_DEFAULTS[preset].headline if preset in PRESET_DEFAULTS else None
         status = (
-            f"**Done.** A = {a.label[3:]}, B = {b.label[3:]}. Ratios are B / A; 'better' "
-            "says which side wins on that row."
+            f"**Done** ({num_repeats} run(s) per side). A = {a.label[3:]}, B = {b.label[3:]}. "
+            "Ratios are B / A; 'better' names the side that wins beyond the noise band, '≈' "
+            "a difference within it." + (f" Headline: ★ {headline}." if headline else "")
         ) + cmp.problems()
         figures = await asyncio.to_thread(_figures, cmp.outcomes)
-        rows = compare_rows(a, b)
+        rows = compare_rows(a, b, headline=headline)
         yield (cmp.final_progress(), status, rows, *figures)
 
     side_inputs = [*ui.side_a.values(), *ui.side_b.values()]
-    preset_workload_fields = sorted({f for w in PRESET_WORKLOAD.values() for f in w})
-    ui.preset.change(
-        apply_preset,
-        ui.preset,
-        side_inputs + [ui.form[f] for f in preset_workload_fields],
-        api_visibility="private",
-    )
+    preset_outputs = [
+        ui.kv_budget,
+        ui.max_model_len,
+        ui.repeats,
+        ui.headline,
+        *side_inputs,
+        *ui.form.values(),
+    ]
+    ui.preset.change(apply_preset, ui.preset, preset_outputs, api_visibility="private")
     outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate, ui.batch, ui.map_a, ui.map_b]
-    inputs = [ui.kv_budget, ui.max_model_len, *side_inputs, *ui.form.values()]
+    inputs = [ui.preset, ui.kv_budget, ui.max_model_len, ui.repeats, *side_inputs]
+    inputs += list(ui.form.values())
     ui.run.click(run_compare, inputs, outputs, api_name="compare", **BENCHMARK_QUEUE)
     stop = stop_compare(current)
     ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_compare")
