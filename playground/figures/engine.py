@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -13,43 +14,99 @@ from playground.figures.style import KIND_COLORS, base_layout, empty_figure
 EMPTY_HINT = "No engine steps yet: send a message in Chat or run a load test."
 
 
-def batch_timeline_figure(steps: Sequence[StepStats], max_steps: int = 200) -> go.Figure:
-    """Prefill vs decode tokens of each recent step (stacked bars) and its batch size (line,
-    right axis). Dict traces: this figure is rebuilt every second on the live tab."""
-    steps = list(steps)[-max_steps:]
-    if not steps:
-        return empty_figure(EMPTY_HINT, "Batch composition per step")
-    x = [s.step_index for s in steps]
-    hover = "step %{x}<br>%{y} %{meta} tokens<extra></extra>"
+TIMELINE_WINDOWS_S = {"last 30 s": 30.0, "last 2 min": 120.0, "last 10 min": 600.0}
+DEFAULT_WINDOW = "last 2 min"
+NUM_TIME_BINS = 120  # bars per chart, whatever the step rate: the payload stays small
+
+
+def batch_timeline_figure(
+    steps: Sequence[StepStats], now_s: float | None = None, window_s: float = 120.0
+) -> go.Figure:
+    """Prefill vs decode tokens of each step, or per time bin when more than NUM_TIME_BINS
+    steps fall in the window (stacked bars), and the batch size (line, right axis; the largest
+    of a bin), in wall-clock seconds before now_s (time.perf_counter(), the clock of
+    StepStats.start_time) over the last window_s: a load test is not squeezed against old chat
+    steps as it was on a step axis. Dict traces: rebuilt every second on the live tab."""
+    now_s = now_s if now_s is not None else (steps[-1].start_time if steps else 0.0)
+    bin_s = window_s / NUM_TIME_BINS
+    recent = [s for s in steps if 0.0 <= now_s - s.start_time <= window_s]
+    title = f"Batch composition, {_window_text(window_s)}"
+    if not recent:
+        return empty_figure(EMPTY_HINT if not steps else _idle_hint(window_s), title)
+    if len(recent) <= NUM_TIME_BINS:  # one bar per step, at its start
+        x = [s.start_time - now_s for s in recent]
+        prefill = [s.num_prefill_tokens for s in recent]
+        decode = [s.num_decode_tokens for s in recent]
+        batch = [s.batch_size for s in recent]
+        meta = [f"step {s.step_index}" for s in recent]
+        preempted = [s.num_preemptions for s in recent]
+        y_title = "tokens in the step"
+    else:  # busy: bins of window / NUM_TIME_BINS seconds, sums of tokens, largest batch
+        x, prefill, decode, batch, meta, preempted = _binned(recent, now_s, bin_s)
+        y_title = f"tokens per {bin_s:g} s"
+    hover = "%{x:.1f} s<br>%{y} %{fullData.name} (%{customdata})<extra></extra>"
     traces: list[dict] = [
-        {"type": "bar", "x": x, "y": [s.num_prefill_tokens for s in steps],
-         "name": "prefill tokens", "marker": {"color": KIND_COLORS["prefill"]},
-         "meta": "prefill", "hovertemplate": hover},
-        {"type": "bar", "x": x, "y": [s.num_decode_tokens for s in steps],
-         "name": "decode tokens", "marker": {"color": KIND_COLORS["decode"]},
-         "meta": "decode", "hovertemplate": hover},
-        {"type": "scatter", "x": x, "y": [s.batch_size for s in steps], "yaxis": "y2",
-         "name": "requests in the step", "mode": "lines",
+        {"type": "bar", "x": x, "y": prefill, "name": "prefill tokens", "customdata": meta,
+         "marker": {"color": KIND_COLORS["prefill"]}, "hovertemplate": hover},
+        {"type": "bar", "x": x, "y": decode, "name": "decode tokens", "customdata": meta,
+         "marker": {"color": KIND_COLORS["decode"]}, "hovertemplate": hover},
+        {"type": "scatter", "x": x, "y": batch, "yaxis": "y2",
+         "name": "largest batch (requests)", "mode": "lines",
          "line": {"color": "#111827", "width": 1.5, "shape": "hv"},
-         "hovertemplate": "step %{x}<br>batch %{y} requests<extra></extra>"},
+         "hovertemplate": "%{x:.1f} s<br>batch up to %{y} requests<extra></extra>"},
     ]  # fmt: skip
-    preempted = [s for s in steps if s.num_preemptions]
-    if preempted:
+    hit = [i for i, n in enumerate(preempted) if n]
+    if hit:
         traces.append(
-            {"type": "scatter", "x": [s.step_index for s in preempted],
-             "y": [s.batch_size for s in preempted], "yaxis": "y2", "mode": "markers",
-             "name": "preemption", "marker": {"symbol": "x", "size": 9, "color": "#dc2626"}}
+            {"type": "scatter", "x": [x[i] for i in hit], "y": [batch[i] for i in hit],
+             "yaxis": "y2", "mode": "markers", "name": "preemption",
+             "marker": {"symbol": "x", "size": 9, "color": "#dc2626"}}
         )  # fmt: skip
+    max_batch = max(batch)
     layout = {
         "barmode": "stack",
         "bargap": 0.05,
-        "xaxis": {"title": {"text": "engine step"}},
-        "yaxis": {"title": {"text": "tokens in the step"}},
+        "xaxis": {"title": {"text": "seconds ago"}, "range": [-window_s, 0],
+                  "ticksuffix": " s"},
+        "yaxis": {"title": {"text": y_title}, "rangemode": "tozero"},
+        # Whole requests only: integer ticks, never 0.5.
         "yaxis2": {"title": {"text": "requests"}, "overlaying": "y", "side": "right",
-                   "rangemode": "tozero", "showgrid": False},
+                   "range": [0, max_batch + 1], "tick0": 0,
+                   "dtick": max(1, math.ceil((max_batch + 1) / 5)), "tickformat": "d",
+                   "showgrid": False},
     }  # fmt: skip
     fig = go.Figure(data=traces, layout=layout)
-    return base_layout(fig, f"Batch composition of the last {len(steps)} steps", height=300)
+    return base_layout(fig, f"{title} ({len(recent)} steps)", height=300)
+
+
+def _binned(steps: list[StepStats], now_s: float, bin_s: float) -> tuple[list, ...]:
+    """Per non-empty bin: center (seconds ago, < 0), prefill and decode token sums, largest
+    batch, "<n> steps", preemptions."""
+    bins: dict[int, list[int]] = {}
+    for s in steps:
+        b = bins.setdefault(int((now_s - s.start_time) / bin_s), [0, 0, 0, 0, 0])
+        b[0] += s.num_prefill_tokens
+        b[1] += s.num_decode_tokens
+        b[2] = max(b[2], s.batch_size)
+        b[3] += 1
+        b[4] += s.num_preemptions
+    order = sorted(bins, reverse=True)  # oldest first
+    return (
+        [-(i + 0.5) * bin_s for i in order],
+        [bins[i][0] for i in order],
+        [bins[i][1] for i in order],
+        [bins[i][2] for i in order],
+        [f"{bins[i][3]} steps" for i in order],
+        [bins[i][4] for i in order],
+    )
+
+
+def _window_text(window_s: float) -> str:
+    return f"last {window_s:g} s" if window_s < 120 else f"last {window_s / 60:g} min"
+
+
+def _idle_hint(window_s: float) -> str:
+    return f"No engine step in the {_window_text(window_s)}: the engine is idle."
 
 
 def _bar(fraction: float, css_class: str) -> str:

@@ -16,12 +16,15 @@ KIND_COLORS = {
 }
 SEGMENT_COLORS = {"queue": "#9ca3af", "prefill": KIND_COLORS["prefill"], "decode": "#f97316"}
 SIDE_COLORS = ("#2563eb", "#dc2626")  # compare: side A, side B
-FREE_COLOR = "#e5e7eb"
-CACHED_COLOR = "#99f6e4"
+# Block states are grays and black, so no request color can be mistaken for one: requests get
+# only saturated hues (no gray, no near-white in OWNER_PALETTE).
+FREE_COLOR = "#eef0f3"  # near white: the empty pool recedes
+CACHED_COLOR = "#9ca3af"  # mid gray: free, but still holds a prefix-cache hit
+SHARED_COLOR = "#111827"  # near black: held by several requests (ref count > 1)
+UNKNOWN_STATE_COLOR = "#fde68a"  # a state this UI does not know: visible, never "free"
 FAILED_COLOR = "#dc2626"
 
-# Request colors: stable per request id (a hash, not an arrival order), so a request keeps
-# its color from one refresh to the next.
+# Request colors: 20 saturated hues (Tableau-20's dark and mid rows, gray left out).
 OWNER_PALETTE = (
     "#1f77b4",
     "#ff7f0e",
@@ -41,15 +44,23 @@ OWNER_PALETTE = (
     "#e6550d",
     "#31a354",
     "#756bb1",
-    "#6baed6",
-    "#fd8d3c",
-    "#74c476",
-    "#9e9ac8",
+    "#d6616b",
+    "#ce6dbd",
 )
 
 
+def owner_color_index(request_id: str) -> int:
+    """Stable per request (never an arrival order that shifts between refreshes): "req-<n>"
+    takes n mod the palette, so the 20 requests issued one after another never share a color;
+    other ids hash."""
+    _, _, number = request_id.rpartition("-")
+    if number.isdigit():
+        return int(number) % len(OWNER_PALETTE)
+    return zlib.crc32(request_id.encode()) % len(OWNER_PALETTE)
+
+
 def owner_color(request_id: str) -> str:
-    return OWNER_PALETTE[zlib.crc32(request_id.encode()) % len(OWNER_PALETTE)]
+    return OWNER_PALETTE[owner_color_index(request_id)]
 
 
 def tint(hex_color: str, amount: float = 0.65) -> str:

@@ -2,11 +2,14 @@
 
 Cheap by construction: stats() is lock-free; block_snapshot() and queue_snapshot() take the
 engine lock between steps for a copy of a few lists. When nothing changed since the last tick
-the tab skips re-sending figures, so an idle engine costs the browser nothing.
+the block map, gauge, queue and summary are neither built nor sent; the timeline (at most
+NUM_TIME_BINS bars) is re-sent while it has steps in its window, since "seconds ago" moves. An
+idle engine costs the browser nothing.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
@@ -14,17 +17,19 @@ import plotly.graph_objects as go
 from engine.telemetry.stats import EngineStats
 from playground.engine_client import EngineClient
 from playground.figures.blocks import block_map_figure, usage_gauge
-from playground.figures.engine import batch_timeline_figure, queue_html
+from playground.figures.engine import TIMELINE_WINDOWS_S, batch_timeline_figure, queue_html
 from playground.figures.style import fmt_bytes
 
 
 @dataclass
 class LiveView:
-    summary_md: str
-    block_map: go.Figure
-    gauge: go.Figure
-    queue_html: str
-    timeline: go.Figure
+    """The tab's views; None where nothing changed since the signature the caller last drew."""
+
+    summary_md: str | None
+    block_map: go.Figure | None
+    gauge: go.Figure | None
+    queue_html: str | None
+    timeline: go.Figure | None
 
 
 def signature(stats: EngineStats) -> tuple[int, ...]:
@@ -79,8 +84,26 @@ def prefix_cache_text(stats: EngineStats) -> str:
     )
 
 
-def live_view(service: EngineClient) -> tuple[tuple[int, ...], LiveView]:
+def timeline_moving(stats: EngineStats, now_s: float, window_s: float) -> bool:
+    """Whether the timeline shows a step: its "seconds ago" axis then moves every tick."""
+    return bool(stats.steps) and now_s - stats.steps[-1].start_time <= window_s
+
+
+def live_view(
+    service: EngineClient,
+    window_s: float = TIMELINE_WINDOWS_S["last 2 min"],
+    last_signature: tuple[int, ...] | None = None,
+) -> tuple[tuple[int, ...], LiveView]:
+    """The views of the engine now. With last_signature: only what changed since (the block
+    map of a 100k-block pool is not rebuilt or re-sent while nothing happens)."""
     stats = service.stats()
+    now_s = time.perf_counter()  # the clock of StepStats.start_time
+    sig = signature(stats)
+    changed = sig != last_signature
+    moving = timeline_moving(stats, now_s, window_s)
+    timeline = batch_timeline_figure(stats.steps, now_s, window_s) if changed or moving else None
+    if not changed:
+        return sig, LiveView(None, None, None, None, timeline)
     snapshot = service.block_snapshot()
     queue = service.queue_snapshot()
     used = snapshot.num_blocks - snapshot.num_free
@@ -89,6 +112,6 @@ def live_view(service: EngineClient) -> tuple[tuple[int, ...], LiveView]:
         block_map=block_map_figure(snapshot),
         gauge=usage_gauge(used, snapshot.num_blocks),
         queue_html=queue_html(queue),
-        timeline=batch_timeline_figure(stats.steps),
+        timeline=timeline,
     )
-    return signature(stats), view
+    return sig, view

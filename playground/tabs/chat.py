@@ -77,6 +77,7 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             ui.clear = gr.Button("Clear conversation", elem_id="chat-clear")
             gr.Markdown(REMOTE_NOTE.format(url=ctx.remote.base_url) if ctx.remote else ENGINE_NOTE)
     ui.turns = gr.State([])
+    ui.api_trigger = gr.Button(visible=False)  # carries the /chat API (create_event_handlers)
     return ui
 
 
@@ -156,6 +157,21 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         new_turns = [*shown, turn]
         yield render(new_turns), new_turns, gr.skip(), status
 
+    async def respond_api(
+        message,
+        turns,
+        system_prompt,
+        temperature,
+        top_p,
+        top_k,
+        max_tokens,
+        seed,
+        request: gr.Request,
+    ):
+        form = (message, turns, system_prompt, temperature, top_p, top_k, max_tokens, seed)
+        async for chatbot, turns, message, status in respond(*form, request):
+            yield chatbot, turns, "" if message == gr.skip() else message, status
+
     def stop(request: gr.Request) -> str:
         return backend.stop(request.session_hash or "anonymous")
 
@@ -216,8 +232,11 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         "trigger_mode": "multiple",
     }
     quiet = {"api_visibility": "private", "show_progress": "hidden", "concurrency_limit": None}
+    # The /chat API on its own hidden trigger: an API caller has no draft to keep, so its last
+    # output clears the message ("" where the browser's events leave the box alone).
+    ui.api_trigger.click(**{**chat_args, "fn": respond_api}, api_name="chat")
     for event in (
-        ui.send.click(**chat_args, api_name="chat"),
+        ui.send.click(**chat_args, api_visibility="private"),
         ui.message.submit(**chat_args, api_visibility="private"),
     ):
         event.then(send_button, None, ui.send, **quiet)

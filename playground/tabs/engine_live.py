@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
+from playground.figures.engine import DEFAULT_WINDOW, TIMELINE_WINDOWS_S
 from playground.handlers.live import live_view
 
 REFRESH_S = 1.0
@@ -25,17 +26,25 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
                 ui.refresh = gr.Button("Refresh now", size="sm")
                 ui.auto = gr.Checkbox(True, label="Auto-refresh (1 s)")
             gr.Markdown(
-                "Each cell is one KV block of the pool. Its color is the request holding it "
-                "(legend); gray cells are free. A lighter tint marks blocks *reserved but not "
-                "yet filled* (the contiguous layout reserves max_model_len up front). With "
-                "prefix caching, *free, prefix-cached* blocks still hold a full block of an "
-                "earlier prompt for the next request that starts the same way, and a dot marks "
-                "a block shared by several requests. Hover a cell for its block id, owner, "
-                "tokens filled and ref count."
+                "Each cell is one KV block of the pool (on a big pool, a run of blocks: the "
+                "title says how many). Its color is the request holding it; the legend lists "
+                "the requests holding the most blocks. Near-white cells are free. A lighter "
+                "tint marks blocks *reserved but not yet filled* (the contiguous layout "
+                "reserves max_model_len up front). With prefix caching, gray *free, "
+                "prefix-cached* blocks still hold a full block of an earlier prompt for the "
+                "next request that starts the same way, and black ones are *shared* by "
+                "several requests. Hover a cell for its block id, owner, tokens filled and "
+                "ref count."
             )
     ui.queue = gr.HTML(elem_id="live-queue")
     ui.timeline = gr.Plot(
-        show_label=False, label="Batch composition per step", elem_id="batch-timeline"
+        show_label=False, label="Batch composition over time", elem_id="batch-timeline"
+    )
+    ui.window = gr.Radio(
+        list(TIMELINE_WINDOWS_S),
+        value=DEFAULT_WINDOW,
+        label="Timeline window",
+        elem_id="timeline-window",
     )
     ui.timer = gr.Timer(REFRESH_S, active=False)
     ui.signature = gr.State(None)
@@ -45,27 +54,30 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
     outputs = [ui.summary, ui.block_map, ui.gauge, ui.queue, ui.timeline, ui.signature]
 
-    def refresh(last_signature, auto=True, force=False):
+    def refresh(last_signature, window=DEFAULT_WINDOW, auto=True, force=False):
         if not auto and not force:
             return [gr.skip()] * len(outputs)
-        sig, view = live_view(ctx.service)
-        if sig == last_signature and not force:
-            return [gr.skip()] * len(outputs)  # nothing changed: send nothing
-        return [view.summary_md, view.block_map, view.gauge, view.queue_html, view.timeline, sig]
+        window_s = TIMELINE_WINDOWS_S.get(window, TIMELINE_WINDOWS_S[DEFAULT_WINDOW])
+        sig, view = live_view(ctx.service, window_s, None if force else last_signature)
+        views = [view.summary_md, view.block_map, view.gauge, view.queue_html, view.timeline]
+        # None: unchanged since the last tick, so nothing is sent for it.
+        return [gr.skip() if v is None else v for v in views] + [sig]
 
-    def refresh_now(last_signature):
-        return refresh(last_signature, force=True)
+    def refresh_now(last_signature, window):
+        return refresh(last_signature, window, force=True)
 
     # One live group: timers of every open browser tab share a few workers, and a tick that
     # finds the previous one still queued is dropped rather than piled up.
     live = {"concurrency_limit": 4, "concurrency_id": "live", "show_progress": "hidden"}
     ui.timer.tick(
         refresh,
-        [ui.signature, ui.auto],
+        [ui.signature, ui.window, ui.auto],
         outputs,
         trigger_mode="once",
         api_visibility="undocumented",
         **live,
     )
-    ui.refresh.click(refresh_now, [ui.signature], outputs, api_name="live_refresh", **live)
-    ui.tab.select(refresh_now, [ui.signature], outputs, api_visibility="private", **live)
+    now = [ui.signature, ui.window]
+    ui.refresh.click(refresh_now, now, outputs, api_name="live_refresh", **live)
+    ui.tab.select(refresh_now, now, outputs, api_visibility="private", **live)
+    ui.window.change(refresh_now, now, outputs, api_visibility="private", **live)
