@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -143,3 +144,82 @@ def test_compare_progress_covers_both_sides_and_repeats_and_never_goes_back():
     assert "12 / 12 requests" in cmp.final_progress() and "2 runs" in cmp.final_progress()
     with pytest.raises(ValueError, match="repeats"):
         BackgroundCompare(spec, [_Side("A")], requests, repeats=0)
+
+
+# --- KV calculator ---------------------------------------------------------------------------
+
+BF16 = "bf16 / fp16 (2 B)"
+FP8 = "fp8 / int8 (1 B)"
+
+
+def _kv(model="Llama-3-8B (GQA)", seq_len=4096, batch=32, kv=BF16, fraction=0.9, info=None,
+        custom=None):  # fmt: skip
+    from playground.handlers.kv import parse_inputs
+
+    return parse_inputs(model, "as the model", seq_len, batch, kv, BF16, "H100 SXM 80GB",
+                        fraction, info, custom)  # fmt: skip
+
+
+def test_kv_bars_over_memory_are_red_and_in_the_legend_the_selected_one_outlined():
+    from playground.figures.kv import EXCEEDS_COLOR, FITS_COLOR, memory_bars_figure
+    from playground.handlers.kv import exceeds
+
+    x = _kv(batch=8)  # 8 x 0.54 GB fits; 256 x 0.54 GB does not
+    assert not exceeds(x, 8) and exceeds(x, 256)
+    fig = memory_bars_figure(x)
+    fits, over = (t for t in fig.data if t.type == "bar" and t.name.startswith("KV cache"))
+    assert fits.marker.color == FITS_COLOR and over.marker.color == EXCEEDS_COLOR
+    assert "exceed" in over.name and over.showlegend is not False  # red is in the legend
+    labels = list(over.x)
+    assert over.y[labels.index("256")] is not None and over.y[labels.index("8")] is None
+    assert fits.y[labels.index("8")] is not None
+    assert fits.marker.line.width[labels.index("8")] == 3  # the selected batch, outlined
+    assert fits.marker.line.width[labels.index("1")] == 0
+    assert any(t.name.startswith("selected batch") for t in fig.data)
+    assert fig.layout.yaxis.title.text.startswith("GB")
+
+
+def test_kv_fraction_and_context_are_validated_with_messages():
+    x = _kv(fraction=0.3)  # below the old slider's 0.5 minimum: fine now
+    assert x.memory_fraction == 0.3
+    for bad in (0, 1.5, None, float("nan"), -1):
+        with pytest.raises(ValueError, match="memory fraction"):
+            _kv(fraction=bad)
+    with pytest.raises(ValueError, match="maximum of 8,192"):
+        _kv(seq_len=1_000_000)  # Llama-3-8B: 8,192 tokens
+
+
+def test_kv_custom_model_and_one_unit_system():
+    from playground.handlers.kv import CUSTOM_MODEL, CustomModel, formula_markdown, table_rows
+
+    x = _kv(CUSTOM_MODEL, seq_len=1000, batch=1, custom=CustomModel(10, 8, 2, 64, 1.0))
+    assert x.kv() == 2 * 10 * 2 * 64 * 1000 * 2
+    assert x.weights_bytes == 2e9  # 1 B params x 2 B
+    md = formula_markdown(x)
+    assert "GiB" not in md and "MiB" not in md and "KiB" not in md and "5.12 MB" in md
+    _, rows = table_rows(x)
+    assert all("max context" not in cell for row in rows for cell in row)  # no known limit
+    with pytest.raises(ValueError, match="custom KV heads"):
+        _kv(CUSTOM_MODEL, custom=CustomModel(10, 8, 3, 64, 1.0))
+    with pytest.raises(ValueError, match="custom layers"):
+        _kv(CUSTOM_MODEL, custom=CustomModel(None, 8, 2, 64, 1.0))
+    _, rows = table_rows(_kv("Llama-2-7B (MHA)"))  # 4,096-token model: longer columns are "-"
+    assert rows[0][-1] == "- (> max context)" and rows[0][1] != "- (> max context)"
+
+
+def test_kv_loaded_model_uses_the_engines_kv_element_not_the_form():
+    from playground.engine_info import EngineInfo
+    from playground.handlers.kv import LOADED_MODEL, formula_markdown
+
+    shape = EngineInfo.__dataclass_fields__["shape"]
+    assert shape  # the EngineInfo fields used below exist
+    from engine.runner.models.presets import MODEL_PRESETS
+    from engine.telemetry.cost import ModelShape
+
+    info = SimpleNamespace(model_name="smollm2-135m", max_model_len=1024,
+                           shape=ModelShape.from_arch(MODEL_PRESETS["smollm2-135m"]))  # fmt: skip
+    x = _kv(LOADED_MODEL, seq_len=512, batch=1, kv=FP8, info=info)
+    assert x.kv_bytes == 2.0  # the engine's bf16 cache, not the leftover fp8 choice
+    assert "the loaded engine's own, 2 B" in formula_markdown(x)
+    with pytest.raises(ValueError, match="maximum of 1,024"):
+        _kv(LOADED_MODEL, seq_len=2048, info=info)

@@ -1,17 +1,26 @@
 """KV-cache calculator: 2 x layers x kv_heads x head_dim x seq_len x batch x bytes, with model
-presets, MHA / GQA / MQA variants, GPU memory presets, and the loaded engine's real pool."""
+presets, a custom model, MHA / GQA / MQA variants, GPU memory presets, and the loaded engine's
+real pool. Every size is in decimal GB (1e9 bytes), as GPU datasheets count memory."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.runner.models.presets import MODEL_PRESETS as SHAPES
 from engine.telemetry.ceilings import GPUS, GPUSpec
 from engine.telemetry.cost import ModelShape, kv_cache_bytes, max_concurrency
 from playground.engine_info import EngineInfo
-from playground.figures.style import fmt_bytes
 
-GB = 1e9  # datasheets count memory in decimal gigabytes
+GB = 1e9  # datasheets count memory in decimal gigabytes: one unit on the whole tab
+
+
+def fmt_gb(num_bytes: float) -> str:
+    """Decimal units, the tab's one unit system: 2147483648 -> '2.15 GB', 65536 -> '65.5 kB'."""
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.3g} {unit}"
+    return f"{num_bytes:g} B"
 
 
 @dataclass(frozen=True)
@@ -21,6 +30,13 @@ class ModelPreset:
 
     name: str
     shape: ModelShape
+    max_context: int | None = None  # tokens one request may hold (None: no known limit)
+    num_params: int | None = None  # None: counted from the shape (a custom model gives it)
+    kv_bytes: float | None = None  # None: the form's KV element; the loaded engine's own
+
+    @property
+    def params(self) -> int:
+        return self.shape.num_params if self.num_params is None else self.num_params
 
     @property
     def attention(self) -> str:
@@ -31,9 +47,10 @@ class ModelPreset:
 
 
 def _preset(label: str, key: str) -> ModelPreset:
-    shape = ModelShape.from_arch(SHAPES[key])
+    arch = SHAPES[key]
+    shape = ModelShape.from_arch(arch)
     name = f"{label} ({ModelPreset(label, shape).attention})"
-    return ModelPreset(name, shape)
+    return ModelPreset(name, shape, max_context=arch.max_position_embeddings)
 
 
 # The calculator's models, by their preset-table keys.
@@ -47,6 +64,7 @@ MODEL_PRESETS = {
     )
 }
 LOADED_MODEL = "the loaded model"
+CUSTOM_MODEL = "custom (enter its shape)"
 
 # The GPUs of the one GPU table (engine/telemetry/ceilings.py), named with their memory.
 GPU_CHOICES: dict[str, GPUSpec] = {
@@ -64,12 +82,51 @@ TABLE_CONTEXT_LENS = (512, 2048, 4096, 8192, 32768, 131072)
 
 
 def loaded_preset(info: EngineInfo) -> ModelPreset:
-    return ModelPreset(f"{info.model_name} (loaded)", info.shape)
+    """The engine's own model: its max_model_len and its real KV element size (the form's KV
+    element choice does not apply: the formula must match what the engine allocated)."""
+    s = info.shape
+    return ModelPreset(
+        f"{info.model_name} (loaded)", s, info.max_model_len, kv_bytes=s.kv_bytes_per_element
+    )
+
+
+@dataclass(frozen=True)
+class CustomModel:
+    """The custom model's form fields: what the KV formula and the weights bar need."""
+
+    num_layers: float | None
+    num_heads: float | None  # query heads
+    num_kv_heads: float | None
+    head_dim: float | None
+    params_billions: float | None
+
+
+DEFAULT_CUSTOM = CustomModel(32, 32, 8, 128, 8.0)  # a Llama-3-8B-like shape
+
+
+def custom_preset(c: CustomModel) -> ModelPreset:
+    """A ModelShape from the custom fields; ValueError names the bad one."""
+    whole = {}
+    for name, value in (("layers", c.num_layers), ("query heads", c.num_heads),
+                        ("KV heads", c.num_kv_heads), ("head_dim", c.head_dim)):  # fmt: skip
+        if value is None or value != int(value) or not 1 <= value <= 100_000:
+            raise ValueError(f"custom {name}: a whole number from 1 to 100,000, got {value!r}")
+        whole[name] = int(value)
+    if whole["KV heads"] > whole["query heads"] or whole["query heads"] % whole["KV heads"]:
+        raise ValueError("custom KV heads: must divide the query heads (MHA, GQA or MQA)")
+    params = c.params_billions
+    if params is None or not 0 < params <= 10_000:
+        raise ValueError(f"custom parameters: billions, in (0, 10000], got {params!r}")
+    hidden = whole["query heads"] * whole["head_dim"]
+    shape = ModelShape(whole["layers"], hidden, 4 * hidden, whole["query heads"],
+                       whole["KV heads"], whole["head_dim"], 32000, False)  # fmt: skip
+    return ModelPreset("custom model", shape, num_params=round(params * 1e9))
 
 
 def preset_names(with_loaded: bool = True) -> list[str]:
     """The model choices; no "loaded model" without an engine (remote mode)."""
-    return [*MODEL_PRESETS, LOADED_MODEL] if with_loaded else list(MODEL_PRESETS)
+    loaded = [LOADED_MODEL] if with_loaded else []
+    return [*MODEL_PRESETS, *loaded, CUSTOM_MODEL]
 
 
 def remote_pool_markdown(base_url: str) -> str:
@@ -82,7 +139,11 @@ def remote_pool_markdown(base_url: str) -> str:
     )
 
 
-def resolve_preset(name: str, info: EngineInfo | None) -> ModelPreset:
+def resolve_preset(
+    name: str, info: EngineInfo | None, custom: CustomModel | None = None
+) -> ModelPreset:
+    if name == CUSTOM_MODEL:
+        return custom_preset(custom or DEFAULT_CUSTOM)
     if name == LOADED_MODEL:
         if info is None:
             raise ValueError("model: no engine is loaded")
@@ -122,7 +183,7 @@ class KVInputs:
 
     @property
     def weights_bytes(self) -> float:
-        return self.preset.shape.num_params * self.weight_bytes
+        return self.preset.params * self.weight_bytes
 
     @property
     def memory_gb(self) -> float:
@@ -169,28 +230,49 @@ def parse_inputs(
     gpu: str,
     memory_fraction: float | None,
     info: EngineInfo | None,
+    custom: CustomModel | None = None,
 ) -> KVInputs:
-    """Form values -> KVInputs; raises ValueError naming the field."""
-    preset = resolve_preset(preset_name, info)
+    """Form values -> KVInputs; raises ValueError naming the field (never anything else)."""
+    preset = resolve_preset(preset_name, info, custom)
     for name, value in (("context length", seq_len), ("batch size", batch_size)):
-        if value is None or value != int(value) or value < 1:
+        if not _whole(value):
             raise ValueError(f"{name}: must be a positive whole number, got {value!r}")
+    if preset.max_context is not None and seq_len > preset.max_context:
+        raise ValueError(
+            f"context length: {int(seq_len):,} tokens is more than {preset.name}'s maximum of "
+            f"{preset.max_context:,}"
+        )
     if kv_dtype not in BYTES_PER_ELEMENT or weight_dtype not in BYTES_PER_ELEMENT:
         raise ValueError("dtype: pick one of the listed element sizes")
     if gpu not in GPU_CHOICES:
         raise ValueError(f"GPU: unknown preset {gpu!r}")
-    if memory_fraction is None or not 0 < memory_fraction <= 1:
+    if not _number(memory_fraction) or not 0 < memory_fraction <= 1:
         raise ValueError(f"memory fraction: must be in (0, 1], got {memory_fraction!r}")
+    kv_bytes = BYTES_PER_ELEMENT[kv_dtype] if preset.kv_bytes is None else preset.kv_bytes
     return KVInputs(
         preset,
         variant_kv_heads(preset, variant),
         int(seq_len),
         int(batch_size),
-        BYTES_PER_ELEMENT[kv_dtype],
+        kv_bytes,
         BYTES_PER_ELEMENT[weight_dtype],
         gpu,
         float(memory_fraction),
     )
+
+
+def _number(value: object) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and math.isfinite(value)
+
+
+def _whole(value: object) -> bool:
+    return _number(value) and value == int(value) and value >= 1
+
+
+def exceeds(x: KVInputs, batch_size: int, seq_len: int | None = None) -> bool:
+    """Weights + KV of this batch are more than the usable memory (the bar is red)."""
+    return x.kv(seq_len=seq_len, batch_size=batch_size) + x.weights_bytes > x.usable_bytes
 
 
 def formula_markdown(x: KVInputs) -> str:
@@ -199,6 +281,11 @@ def formula_markdown(x: KVInputs) -> str:
     total = x.kv()
     kind = "MHA" if x.num_kv_heads == p.num_heads else "MQA" if x.num_kv_heads == 1 else "GQA"
     fits = x.max_requests()
+    element = (
+        f" · KV element: the loaded engine's own, {x.kv_bytes:g} B"
+        if x.preset.kv_bytes is not None
+        else ""
+    )
     verdict = (
         f"**{fits}** requests of {x.seq_len:,} tokens fit in {x.gpu} "
         f"({x.memory_fraction:.0%} of {x.memory_gb:g} GB, minus "
@@ -210,9 +297,9 @@ def formula_markdown(x: KVInputs) -> str:
         f"**KV bytes = 2 (K and V) x layers x kv_heads x head_dim x seq_len x batch x bytes**\n\n"
         f"= 2 x {p.num_layers} x {x.num_kv_heads} ({kind}, {p.num_heads} query heads) x "
         f"{p.head_dim} x {x.seq_len:,} x {x.batch_size} x {x.kv_bytes:g} B "
-        f"= **{total:,} B** ({total / GB:.3f} GB, {fmt_bytes(total)})\n\n"
-        f"Per token: {per_token:,} B ({fmt_bytes(per_token)}) · per request of {x.seq_len:,} "
-        f"tokens: {fmt_bytes(x.kv(batch_size=1))}\n\n"
+        f"= **{total:,} B** ({fmt_gb(total)})\n\n"
+        f"Per token: {per_token:,} B ({fmt_gb(per_token)}) · per request of {x.seq_len:,} "
+        f"tokens: {fmt_gb(x.kv(batch_size=1))}{element}\n\n"
         f"Max concurrency = floor((memory x fraction - weights) / KV per request): {verdict}."
     )
 
@@ -222,9 +309,13 @@ def table_rows(x: KVInputs) -> tuple[list[str], list[list[str]]]:
     not fit the usable memory."""
     headers = ["batch \\ context", *(f"{n:,}" for n in TABLE_CONTEXT_LENS)]
     rows = []
+    limit = x.preset.max_context
     for b in TABLE_BATCH_SIZES:
         row = [str(b)]
         for n in TABLE_CONTEXT_LENS:
+            if limit is not None and n > limit:
+                row.append("- (> max context)")
+                continue
             kv = x.kv(seq_len=n, batch_size=b)
             mark = "" if kv + x.weights_bytes <= x.usable_bytes else " ✗"
             row.append(f"{kv / GB:.2f}{mark}")
@@ -251,7 +342,7 @@ def engine_pool_markdown(info: EngineInfo, seq_len: int) -> str:
     return (
         f"**The loaded engine ({info.model_name}, {info.dtype})** allocated "
         f"{info.num_kv_blocks:,} blocks x {block_size} tokens = {pool_tokens:,} tokens "
-        f"of KV: **{info.kv_cache_bytes:,} B** ({fmt_bytes(info.kv_cache_bytes)}, "
+        f"of KV: **{info.kv_cache_bytes:,} B** ({fmt_gb(info.kv_cache_bytes)}, "
         f"EngineStats.kv_cache_bytes).\n\n"
         f"The formula for {pool_tokens:,} tokens: 2 x {s.num_layers} x {s.num_kv_heads} x "
         f"{s.head_dim} x {pool_tokens:,} x 1 x {s.kv_bytes_per_element:g} B = {formula:,} B, "

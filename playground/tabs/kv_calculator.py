@@ -12,9 +12,12 @@ from playground.context import AppContext
 from playground.figures.kv import memory_bars_figure
 from playground.handlers.kv import (
     BYTES_PER_ELEMENT,
+    CUSTOM_MODEL,
+    DEFAULT_CUSTOM,
     GPU_CHOICES,
     LOADED_MODEL,
     VARIANTS,
+    CustomModel,
     engine_pool_markdown,
     formula_markdown,
     parse_inputs,
@@ -33,6 +36,24 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
                 value="Llama-3-8B (GQA)",
                 label="Model",
             )
+            with gr.Group(visible=False) as ui.custom_group:
+                with gr.Row():
+                    ui.custom_layers = gr.Number(
+                        DEFAULT_CUSTOM.num_layers, label="Layers", precision=0, min_width=80
+                    )
+                    ui.custom_heads = gr.Number(
+                        DEFAULT_CUSTOM.num_heads, label="Query heads", precision=0, min_width=80
+                    )
+                with gr.Row():
+                    ui.custom_kv_heads = gr.Number(
+                        DEFAULT_CUSTOM.num_kv_heads, label="KV heads", precision=0, min_width=80
+                    )
+                    ui.custom_head_dim = gr.Number(
+                        DEFAULT_CUSTOM.head_dim, label="head_dim", precision=0, min_width=80
+                    )
+                ui.custom_params = gr.Number(
+                    DEFAULT_CUSTOM.params_billions, label="Parameters (billions, for weights)"
+                )
             ui.variant = gr.Radio(list(VARIANTS), value="as the model", label="Attention")
             ui.seq_len = gr.Number(4096, label="Context length (tokens per request)", precision=0)
             ui.batch = gr.Number(32, label="Batch size (concurrent requests)", precision=0)
@@ -43,14 +64,16 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
                 list(BYTES_PER_ELEMENT), value="bf16 / fp16 (2 B)", label="Weight element"
             )
             ui.gpu = gr.Dropdown(list(GPU_CHOICES), value="H100 SXM 80GB", label="GPU")
-            ui.fraction = gr.Slider(
-                0.5, 1.0, 0.9, step=0.01, label="Memory fraction for weights + KV"
+            # A Number, not a Slider: a typed value outside a slider's range raised before the
+            # handler could say why; here every value reaches parse_inputs, which explains.
+            ui.fraction = gr.Number(
+                0.9, label="Memory fraction for weights + KV (0 to 1)", elem_id="kv-fraction"
             )
         with gr.Column(scale=2):
             ui.formula = gr.Markdown(elem_id="kv-formula")
             ui.bars = gr.Plot(show_label=False, label="Weights + KV against GPU memory")
     ui.table = gr.Dataframe(
-        label="KV cache in GB (✗: weights + KV exceed the usable memory)",
+        label="KV cache in GB (1e9 bytes; ✗: weights + KV exceed the usable memory)",
         interactive=False,
         elem_id="kv-table",
     )
@@ -59,13 +82,13 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
 
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
-    def compute(model, variant, seq_len, batch, kv_dtype, weight_dtype, gpu, fraction):
+    def compute(model, variant, seq_len, batch, kv_dtype, weight_dtype, gpu, fraction, *custom):
         try:
             x = parse_inputs(
-                model, variant, seq_len, batch, kv_dtype, weight_dtype, gpu, fraction, ctx.info
-            )
-        except ValueError as e:
-            gr.Warning(str(e))
+                model, variant, seq_len, batch, kv_dtype, weight_dtype, gpu, fraction, ctx.info,
+                CustomModel(*custom),
+            )  # fmt: skip
+        except ValueError as e:  # shown in the formula panel: no error badge, no traceback
             return f"**Check the form:** {e}", gr.skip(), gr.skip(), gr.skip()
         headers, rows = table_rows(x)
         if ctx.info is None:
@@ -93,8 +116,29 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ui.weight_dtype,
         ui.gpu,
         ui.fraction,
+        ui.custom_layers,
+        ui.custom_heads,
+        ui.custom_kv_heads,
+        ui.custom_head_dim,
+        ui.custom_params,
     ]
     outputs = [ui.formula, ui.bars, ui.table, ui.engine]
+
+    def model_fields(model):
+        """The custom shape's fields for a custom model; the KV element is the engine's own
+        for the loaded model (a leftover choice must not change the formula)."""
+        loaded = model == LOADED_MODEL
+        kv = gr.Dropdown(
+            interactive=not loaded,
+            label="KV cache element (the loaded model: the engine's own)"
+            if loaded
+            else "KV cache element",
+        )
+        return gr.Group(visible=model == CUSTOM_MODEL), kv
+
+    ui.model.change(
+        model_fields, ui.model, [ui.custom_group, ui.kv_dtype], api_visibility="private"
+    )
     for component in inputs:
         component.change(
             compute,
