@@ -225,11 +225,6 @@ def _poisoned_multinomial(real):
     return multinomial
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 (b): per-request fault isolation waits for the engine step and model "
-    "runner refactors (engine/core/engine.py, engine/runner/model_runner.py)",
-)
 def test_one_poisoned_request_leaves_the_others_complete_and_exact(monkeypatch):
     with EngineService(EngineConfig(**TINY)) as svc:
         reference = [svc.submit(p, GREEDY).result().token_ids for p in PROMPTS]

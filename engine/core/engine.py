@@ -6,6 +6,7 @@ LLM (engine/llm.py) drives it in the caller's thread for offline batches.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -13,7 +14,7 @@ from engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from engine.core.block_manager import BlockManager, BlockSnapshot
 from engine.core.chat_template import tokenize_chat
 from engine.core.output import OutputProcessor
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.spec_decode import NgramProposer
 from engine.request import Request, RequestOutput, SamplingParams, new_request_id
 from engine.runner.model_loader import load_tokenizer, resolve_model
@@ -22,6 +23,8 @@ from engine.telemetry.cost import ModelShape
 from engine.telemetry.prom_null import NullMetricsRegistry
 from engine.telemetry.recorder import MetricsSink, StepRecorder
 from engine.telemetry.stats import EngineStats, RequestProgress
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 _CHAT_ROLES = ("system", "user", "assistant")  # the server maps "developer" to system
@@ -216,13 +219,42 @@ class LLMEngine:
         if sched.is_empty:
             return []
         start = self.recorder.start_step(sched, start_time)  # before update() advances requests
-        sampled = self.runner.execute(sched)
-        self.runner.synchronize()
-        touched = self.scheduler.update(sched, sampled, time.perf_counter())
-        outputs = self.outputs.process(touched)  # may finish requests (stop strings)
+        try:
+            result = self.runner.execute(sched)
+            self.runner.synchronize()
+        except Exception as exc:
+            return self._fail_step(sched, exc)
+        # Requests whose sampling raised fail alone, before update(), which then skips them
+        # (no longer running) and advances the rest exactly as if they had run without them.
+        outputs = [self._fail(rid, f"engine error: {why}") for rid, why in result.failed.items()]
+        touched = self.scheduler.update(sched, result.sampled, time.perf_counter())
+        outputs += self.outputs.process(touched)  # may finish requests (stop strings, errors)
         self._release([request for request in touched if request.finished])
-        self.recorder.record_step(start, sched, sampled, time.perf_counter())
-        return outputs
+        self.recorder.record_step(start, sched, result.sampled, time.perf_counter())
+        return [out for out in outputs if out is not None]
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The forward pass raised: fail every request of the step with the error and carry on.
+
+        Failed, not retried: a fault that a step's inputs trigger would fail again on every
+        retry, and a retry loop would hold the blocks and the queue behind it. Aborting frees
+        each one's blocks (those the step had just allocated included) and drops it from the
+        running queue; requests not in the step (waiting, or preempted by this schedule())
+        are untouched and run in later steps. Nothing was cached for prefix reuse, as that
+        happens in update(), which this step never reaches."""
+        logger.exception("engine step %d failed; failing its %d requests",
+                         self.num_steps, len(sched.scheduled))  # fmt: skip
+        self.recorder.record_step_failure()
+        error = f"engine error: forward pass failed: {type(exc).__name__}: {exc}"
+        outputs = [self._fail(s.request.request_id, error) for s in sched.scheduled]
+        return [out for out in outputs if out is not None]
+
+    def _fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """Abort one request because the engine failed it; its final output carries `error`."""
+        out = self.abort(request_id)
+        if out is not None:
+            out.error = error
+        return out
 
     def _release(self, finished: Iterable[Request]) -> None:
         """Forget finished requests: drop the runner's per-request state, record them."""
@@ -251,6 +283,7 @@ class LLMEngine:
             num_draft_tokens_total=recorder.num_draft_tokens_total,
             num_accepted_tokens_total=recorder.num_accepted_tokens_total,
             num_steps_total=recorder.num_steps,
+            num_step_failures_total=recorder.num_step_failures_total,
             steps=recorder.step_history.snapshot(),
             finished=recorder.finished_history.snapshot(),
         )

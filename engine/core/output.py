@@ -8,11 +8,14 @@ deltas. It keeps no state of its own: everything it tracks lives on the Request.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from engine.core.detokenizer import detokenize_new, find_stop, init_offsets, stop_holdback
 from engine.core.scheduler import Scheduler
 from engine.request import Request, RequestOutput, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -27,13 +30,32 @@ class OutputProcessor:
 
     def process(self, requests: list[Request]) -> list[RequestOutput]:
         """One delta per request that got tokens this step; a request may finish here (stop
-        string), so callers read `finished` on the request or the output afterwards."""
-        return [self._output_for(request) for request in requests]
+        string, or an error), so callers read `finished` on the request or the output after.
+
+        A request whose detokenizing raises fails alone: it is aborted (its blocks freed if
+        it still held them) and its final output carries the error; the others go on."""
+        outputs = []
+        for request in requests:
+            try:
+                outputs.append(self._output_for(request))
+            except Exception as exc:
+                outputs.append(self._fail(request, exc))
+        return outputs
 
     def final_output(self, request: Request) -> RequestOutput:
         """The last delta of a request ended outside a step (abort): no new tokens, and the
         text held back for stop strings is released."""
         return self._delta(request, new_token_ids=[])
+
+    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
+        logger.exception("request %s failed in detokenizing", request.request_id)
+        if request.finished:  # a token stop this step: its blocks are already free
+            request.status = RequestStatus.FINISHED_ABORTED
+        else:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        out = self.final_output(request)
+        out.error = f"engine error: detokenizing failed: {type(exc).__name__}: {exc}"
+        return out
 
     def _output_for(self, request: Request) -> RequestOutput:
         if self.tokenizer is not None:

@@ -10,7 +10,7 @@ import logging
 import math
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,18 @@ class KVCacheSpec:
     num_blocks: int
     block_size: int  # tokens per block
     bytes_per_block: int  # K and V, all layers
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced: the runner's single message back to the engine."""
+
+    # Request id -> new tokens: one sampled token, or the accepted drafts plus one. Only for
+    # requests that reached their end this step and did not fail.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # Request id -> why its sampling or verification raised (it alone failed; the engine
+    # aborts it with this message, the step's other requests keep their tokens).
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -187,15 +199,16 @@ class ModelRunner:
             self.release("profile")
 
     # --- per step: prepare inputs -> forward -> logit rows -> sample / verify ---
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step; returns the new tokens of every request that reached its end: one,
-        or with speculative drafts the accepted ones plus one (engine/core/spec_decode.py)."""
+        or with speculative drafts the accepted ones plus one (engine/core/spec_decode.py),
+        and the requests whose sampling failed. A failure of the forward pass itself raises."""
         step = self._prepare_inputs(out)
         with torch.inference_mode():
             hidden = self._forward(step)
             picks, rows = self._logit_rows(step)
             if not rows:
-                return {}
+                return RunnerOutput()
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             return self._sample_and_verify(logits, picks)
 
@@ -263,27 +276,76 @@ class ModelRunner:
 
     def _sample_and_verify(
         self, logits: torch.Tensor, picks: list[tuple[ScheduledRequest, int]]
-    ) -> dict[str, list[int]]:
-        """One sampled token per request without drafts; verified drafts (+1) for the rest."""
+    ) -> RunnerOutput:
+        """One sampled token per request without drafts; verified drafts (+1) for the rest.
+        A request whose sampling raises fails alone (RunnerOutput.failed)."""
+        result = RunnerOutput()
         samplers = [(s.request, row) for s, row in picks if not s.num_draft_tokens]
-        new_tokens: dict[str, list[int]] = {}
         if samplers:
-            requests = [r for r, _ in samplers]
-            tokens = sample(
-                logits[torch.tensor([row for _, row in samplers], device=self.device)],
-                [r.params for r in requests],
-                [self._generator(r) for r in requests],
-                [_penalty_history(r) for r in requests],
-            )  # fmt: skip
-            new_tokens = {r.request_id: [t] for r, t in zip(requests, tokens, strict=True)}
+            self._sample_batch(logits, samplers, result)
         for s, first in picks:
             if s.num_draft_tokens:
                 r, drafts = s.request, _draft_ids(s)
-                new_tokens[r.request_id] = verify(
-                    logits[first : first + len(drafts) + 1], drafts, r.params,
-                    self._generator(r), _penalty_history(r),
-                )  # fmt: skip
-        return new_tokens
+                try:
+                    result.sampled[r.request_id] = verify(
+                        logits[first : first + len(drafts) + 1], drafts, r.params,
+                        self._generator(r), _penalty_history(r),
+                    )  # fmt: skip
+                except Exception as exc:  # verification is per request already
+                    self._fail_request(r, "draft verification", exc, result)
+        return result
+
+    def _sample_batch(
+        self, logits: torch.Tensor, samplers: list[tuple[Request, int]], result: RunnerOutput
+    ) -> None:
+        """All requests without drafts in one batched draw. If that raises, nobody can tell
+        which request caused it, so each is sampled again alone from its generator's state
+        before the batch: the others get exactly the tokens the batch would have given them
+        (the sampler is batch-independent per row), and the culprit fails alone."""
+        requests = [r for r, _ in samplers]
+        try:
+            generators = [self._generator(r) for r in requests]
+        except Exception:  # e.g. a seed torch refuses: find whose, one at a time
+            self._sample_each(logits, samplers, result)
+            return
+        # Draws consume generator state row by row; a raise at row i has already advanced
+        # rows < i, so keep the states to replay them (a few bytes per random request).
+        states = [g.get_state() if g is not None else None for g in generators]
+        try:
+            tokens = sample(
+                logits[torch.tensor([row for _, row in samplers], device=self.device)],
+                [r.params for r in requests],
+                generators,
+                [_penalty_history(r) for r in requests],
+            )
+        except Exception:
+            for gen, state in zip(generators, states, strict=True):
+                if gen is not None and state is not None:
+                    gen.set_state(state)
+            self._sample_each(logits, samplers, result)
+            return
+        for r, t in zip(requests, tokens, strict=True):
+            result.sampled[r.request_id] = [t]
+
+    def _sample_each(
+        self, logits: torch.Tensor, samplers: list[tuple[Request, int]], result: RunnerOutput
+    ) -> None:
+        """The fallback after a failed batched draw: one request at a time."""
+        for r, row in samplers:
+            try:
+                token = sample(
+                    logits[row : row + 1], [r.params], [self._generator(r)],
+                    [_penalty_history(r)],
+                )[0]  # fmt: skip
+            except Exception as exc:
+                self._fail_request(r, "sampling", exc, result)
+                continue
+            result.sampled[r.request_id] = [token]
+
+    @staticmethod
+    def _fail_request(request: Request, stage: str, exc: Exception, result: RunnerOutput) -> None:
+        logger.exception("request %s failed in %s", request.request_id, stage)
+        result.failed[request.request_id] = f"{stage} failed: {type(exc).__name__}: {exc}"
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.params.greedy:

@@ -75,6 +75,10 @@ class EngineMetricsRegistry:
         self.num_preemptions = counter(
             "num_preemptions_total", "Cumulative number of preemptions from the engine."
         )
+        self.engine_step_failures = counter(
+            "engine_step_failures_total",
+            "Engine steps whose forward pass raised; each failed the requests it held.",
+        )
 
         # --- per finished request (observe_finished) ---
         self.prompt_tokens = counter("prompt_tokens_total", "Number of prefill tokens processed.")
@@ -135,6 +139,10 @@ class EngineMetricsRegistry:
         )
         if step.num_preemptions > 0:
             self.num_preemptions.inc(step.num_preemptions)
+
+    def observe_step_failure(self) -> None:
+        """One step whose forward pass raised (the engine failed its requests, recovered)."""
+        self.engine_step_failures.inc()
 
     def observe_queues(
         self, num_running: int, num_waiting: int, num_blocks_used: int, num_kv_blocks: int

@@ -50,5 +50,8 @@ class NullMetricsRegistry:
     def observe_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         pass
 
+    def observe_step_failure(self) -> None:
+        pass
+
     def render(self) -> bytes:
         return b"# prometheus_client is not installed: no metrics recorded\n"

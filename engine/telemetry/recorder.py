@@ -29,6 +29,7 @@ class MetricsSink(Protocol):
     def observe_finished(self, metrics: RequestMetrics, finish_reason: str) -> None: ...
     def observe_prefix_cache(self, num_query_tokens: int, num_hit_tokens: int) -> None: ...
     def observe_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None: ...
+    def observe_step_failure(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class StepRecorder:
         # Speculative decoding: draft tokens verified / accepted.
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
+        # Steps whose forward pass raised (their requests were failed; not in num_steps).
+        self.num_step_failures_total = 0
 
     def start_step(self, sched: SchedulerOutput, start_time: float) -> StepStart:
         """Take the step's shape; call between schedule() and update()."""
@@ -108,6 +111,12 @@ class StepRecorder:
         self.step_history.append(stats)
         self.metrics.observe_step(stats)
         return stats
+
+    def record_step_failure(self) -> None:
+        """Count a step whose forward pass raised. It gets no StepStats: it computed nothing
+        that stayed (its requests were failed and their blocks freed)."""
+        self.num_step_failures_total += 1
+        self.metrics.observe_step_failure()
 
     def record_finished(self, request_id: str, finish_reason: str, metrics: RequestMetrics) -> None:
         self.finished_history.append(FinishedRequest(request_id, finish_reason, metrics))

@@ -179,6 +179,8 @@ class EngineStats:
     num_waiting: int
     num_preemptions_total: int
     num_steps_total: int
+    # Steps whose forward pass raised; each failed its requests, and is not in num_steps_total.
+    num_step_failures_total: int = 0
     # Prefix cache (zero when it is off): prompt tokens looked up and found at admission,
     # free blocks still holding a prefix, cached blocks evicted for new tokens.
     num_prefix_query_tokens_total: int = 0
