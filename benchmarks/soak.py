@@ -132,7 +132,8 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def run(args) -> dict:
-    from engine.serving.server import BackgroundServer, create_app
+    from engine.serving.http_server import BackgroundServer
+    from engine.serving.server import create_app
 
     config = config_from_args(args)
     svc = EngineService(config)

@@ -157,7 +157,8 @@ def test_service_loop_does_not_spin_when_nothing_is_schedulable():
 
 
 def test_chat_without_max_tokens_on_a_small_pool_gets_what_fits():
-    from engine.serving.server import BackgroundServer, create_app
+    from engine.serving.http_server import BackgroundServer
+    from engine.serving.server import create_app
 
     config = EngineConfig(model="random:tiny", dtype="float32", num_kv_blocks=8, block_size=16)
     with EngineService(config) as svc:

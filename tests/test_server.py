@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from engine import LLM, EngineConfig, EngineService, SamplingParams
-from engine.serving.server import BackgroundServer, create_app
+from engine.serving.http_server import BackgroundServer
+from engine.serving.server import create_app
 from playground.loadgen import (
     EngineTarget,
     LengthDist,

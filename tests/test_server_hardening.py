@@ -23,7 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, EngineService
-from engine.serving.server import BackgroundServer, HTTPLimits, allowed_hosts_for, create_app
+from engine.serving.http_guard import allowed_hosts_for
+from engine.serving.http_limits import HTTPLimits
+from engine.serving.http_server import BackgroundServer
+from engine.serving.server import create_app
 
 TINY = dict(model="random:tiny", dtype="float32", max_model_len=1024, num_kv_blocks=256)
 STEP_DELAY_S = 0.005  # long generations stay in flight long enough to interrupt (<= 200 tok/s)

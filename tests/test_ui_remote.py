@@ -12,7 +12,8 @@ import time
 import pytest
 
 from engine import EngineConfig
-from engine.serving.server import BackgroundServer, create_app
+from engine.serving.http_server import BackgroundServer
+from engine.serving.server import create_app
 from engine.serving.service import EngineService
 from playground.handlers.chat import ActiveRequests, sampling_params
 from playground.handlers.chat_remote import RemoteChat
