@@ -197,14 +197,15 @@ def test_kv_custom_model_and_one_unit_system():
     assert x.weights_bytes == 2e9  # 1 B params x 2 B
     md = formula_markdown(x)
     assert "GiB" not in md and "MiB" not in md and "KiB" not in md and "5.12 MB" in md
-    _, rows = table_rows(x)
-    assert all("max context" not in cell for row in rows for cell in row)  # no known limit
+    headers, _ = table_rows(x)
+    assert not any("model max" in h for h in headers)  # a custom model: no known limit
     with pytest.raises(ValueError, match="custom KV heads"):
         _kv(CUSTOM_MODEL, custom=CustomModel(10, 8, 3, 64, 1.0))
     with pytest.raises(ValueError, match="custom layers"):
         _kv(CUSTOM_MODEL, custom=CustomModel(None, 8, 2, 64, 1.0))
-    _, rows = table_rows(_kv("Llama-2-7B (MHA)"))  # 4,096-token model: longer columns are "-"
-    assert rows[0][-1] == "- (> max context)" and rows[0][1] != "- (> max context)"
+    headers, rows = table_rows(_kv("Llama-2-7B (MHA)"))  # a 4,096-token model
+    assert headers[3] == "4,096" and headers[4] == "8,192 (> model max)"
+    assert rows[0][4].startswith("(") and not rows[0][3].startswith("(")
 
 
 def test_kv_loaded_model_uses_the_engines_kv_element_not_the_form():

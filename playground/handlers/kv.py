@@ -306,19 +306,23 @@ def formula_markdown(x: KVInputs) -> str:
 
 def table_rows(x: KVInputs) -> tuple[list[str], list[list[str]]]:
     """KV GB for batch sizes (rows) x context lengths (columns); '✗' where KV + weights do
-    not fit the usable memory."""
-    headers = ["batch \\ context", *(f"{n:,}" for n in TABLE_CONTEXT_LENS)]
-    rows = []
+    not fit the usable memory; contexts past the model's maximum in parentheses."""
     limit = x.preset.max_context
+
+    def past(n: int) -> bool:  # a context the model cannot take: shown in parentheses
+        return limit is not None and n > limit
+
+    headers = [
+        "batch \\ context",
+        *(f"{n:,} (> model max)" if past(n) else f"{n:,}" for n in TABLE_CONTEXT_LENS),
+    ]
+    rows = []
     for b in TABLE_BATCH_SIZES:
         row = [str(b)]
         for n in TABLE_CONTEXT_LENS:
-            if limit is not None and n > limit:
-                row.append("- (> max context)")
-                continue
             kv = x.kv(seq_len=n, batch_size=b)
             mark = "" if kv + x.weights_bytes <= x.usable_bytes else " ✗"
-            row.append(f"{kv / GB:.2f}{mark}")
+            row.append(f"({kv / GB:.2f}){mark}" if past(n) else f"{kv / GB:.2f}{mark}")
         rows.append(row)
     return headers, rows
 
