@@ -300,6 +300,14 @@ def get_ceilings(device: str = "cpu", refresh: bool = False) -> DeviceCeilings:
         return ceilings
 
 
+def remember_ceilings(ceilings: DeviceCeilings) -> None:
+    """Make `ceilings` its device's cached roof (in-process and on disk): for a caller that
+    measured itself and decided this one should replace the cached one."""
+    with _cache_lock:
+        _memory_cache[ceilings.name] = ceilings
+        _save_to_disk(ceilings)
+
+
 def clear_memory_cache() -> None:
     """Forget in-process measurements (tests; the disk cache stays)."""
     with _cache_lock:
