@@ -103,31 +103,37 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         turns = list(turns or [])
         if not (message or "").strip():
             gr.Warning("Type a message first.")
-            yield render(turns), turns, message, "Type a message first."
+            yield render(turns), turns, message, "Type a message first.", gr.skip()
             return
         try:
             params = sampling_params(temperature, top_p, top_k, max_tokens, seed)
         except ValueError as e:
             gr.Warning(str(e))
-            yield gr.skip(), gr.skip(), gr.skip(), f"**Not sent:** {e}"
+            yield gr.skip(), gr.skip(), gr.skip(), f"**Not sent:** {e}", gr.skip()
             return
         session = request.session_hash or "anonymous"
         conversation = sessions.begin(session)
         if conversation is None:
             gr.Warning(BUSY)
-            yield gr.skip(), gr.skip(), gr.skip(), f"**Not sent:** {BUSY}"
+            yield gr.skip(), gr.skip(), gr.skip(), f"**Not sent:** {BUSY}", gr.skip()
             return
+        # Send is off while the reply streams (its label says why), on again with the last
+        # update; every update after _stream's loop is a last one (done).
         try:
-            async for update in _stream(message, turns, system_prompt, params, session):
+            async for *update, done in _stream(message, turns, system_prompt, params, session):
                 if not sessions.current(session, conversation):
                     return  # cleared meanwhile: the reply was stopped, show nothing of it
-                yield update
+                if done:
+                    sessions.end(session, conversation)
+                    yield *update, gr.Button(SEND_LABEL, interactive=True)
+                else:
+                    yield *update, gr.Button(SEND_BUSY_LABEL, interactive=False)
         finally:
             sessions.end(session, conversation)
 
     async def _stream(message, turns, system_prompt, params, session):
         shown = [*turns, {"role": "user", "content": message}]
-        yield render(shown, "", backend.waiting), turns, "", BUSY
+        yield render(shown, "", backend.waiting), turns, "", BUSY, False
         messages = build_messages(system_prompt or "", turns, message)
         last = None
         try:
@@ -135,17 +141,18 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
                 last = reply
                 if not reply.finished:
                     live = f"{reply.request_id or 'reply'} · streaming · {reply.progress}"
-                    yield render(shown, reply.text, live), turns, gr.skip(), gr.skip()
+                    yield render(shown, reply.text, live), turns, gr.skip(), gr.skip(), False
         except (ValueError, RuntimeError) as e:  # refused (too long, ...) or shutting down
             gr.Warning(str(e))
-            yield render(turns), turns, message, f"**Not sent:** {e}"
+            yield render(turns), turns, message, f"**Not sent:** {e}", True
             return
         if last is None:
-            yield render(turns), turns, message, "**No reply:** the stream ended without output."
+            no_reply = "**No reply:** the stream ended without output."
+            yield render(turns), turns, message, no_reply, True
             return
         if last.error and not last.text:  # refused by the server (HTTP 400, ...): not sent
             gr.Warning(last.error)
-            yield render(turns), turns, message, f"**{backend.error_label}:** {last.error}"
+            yield render(turns), turns, message, f"**{backend.error_label}:** {last.error}", True
             return
         text = last.text or ("(stopped before the first token)" if last.stopped else "")
         turn = {"role": "assistant", "content": text, "stats": last.stats}
@@ -155,7 +162,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         elif last.stopped:
             status = backend.stopped_message(last.request_id)
         new_turns = [*shown, turn]
-        yield render(new_turns), new_turns, gr.skip(), status
+        yield render(new_turns), new_turns, gr.skip(), status, True
 
     async def respond_api(
         message,
@@ -169,7 +176,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         request: gr.Request,
     ):
         form = (message, turns, system_prompt, temperature, top_p, top_k, max_tokens, seed)
-        async for chatbot, turns, message, status in respond(*form, request):
+        async for chatbot, turns, message, status, _ in respond(*form, request):
             yield chatbot, turns, "" if message == gr.skip() else message, status
 
     def stop(request: gr.Request) -> str:
@@ -184,17 +191,6 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             backend.stop(session)
         status = "Cleared; the streaming reply was stopped." if streaming else ""
         return [], [], status, gr.Button(SEND_LABEL, interactive=True)
-
-    def send_button(request: gr.Request):
-        """Send is off while this session's reply streams; the label says why."""
-        if sessions.streaming(request.session_hash or "anonymous"):
-            return gr.Button(SEND_BUSY_LABEL, interactive=False)
-        return gr.Button(SEND_LABEL, interactive=True)
-
-    def sending(message):
-        if not (message or "").strip():
-            return gr.skip()
-        return gr.Button(SEND_BUSY_LABEL, interactive=False)
 
     def check_field(name: str):
         def check(value):
@@ -219,7 +215,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ui.max_tokens,
         ui.seed,
     ]
-    outputs = [ui.chatbot, ui.turns, ui.message, ui.status]
+    outputs = [ui.chatbot, ui.turns, ui.message, ui.status, ui.send]
     # No concurrency limit: replies stream without holding a worker thread, and every open
     # browser tab must be able to chat at the same time. trigger_mode "multiple": a send while
     # a reply streams reaches respond and is refused visibly ("once" dropped it silently).
@@ -230,20 +226,16 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         "concurrency_limit": None,
         "show_progress": "hidden",
         "trigger_mode": "multiple",
+        "api_visibility": "private",
     }
     quiet = {"api_visibility": "private", "show_progress": "hidden", "concurrency_limit": None}
-    # The /chat API on its own hidden trigger: an API caller has no draft to keep, so its last
-    # output clears the message ("" where the browser's events leave the box alone).
-    ui.api_trigger.click(**{**chat_args, "fn": respond_api}, api_name="chat")
-    for event in (
-        ui.send.click(**chat_args, api_visibility="private"),
-        ui.message.submit(**chat_args, api_visibility="private"),
-    ):
-        event.then(send_button, None, ui.send, **quiet)
-    # Send turns off at once (unqueued, before respond starts); the chained send_button above
-    # turns it back on when no reply of this session streams any more.
-    for trigger in (ui.send.click, ui.message.submit):
-        trigger(sending, ui.message, ui.send, queue=False, trigger_mode="multiple", **quiet)
+    ui.send.click(**chat_args)
+    ui.message.submit(**chat_args)
+    # The /chat API on its own hidden trigger: an API caller has neither a draft to keep nor
+    # a Send button, so its last output clears the message ("" where the browser's events
+    # leave the box alone).
+    api_args = {**chat_args, "fn": respond_api, "outputs": outputs[:4], "api_visibility": "public"}
+    ui.api_trigger.click(**api_args, api_name="chat")
     ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_chat")
     clear_args = {"fn": clear, "outputs": [ui.chatbot, ui.turns, ui.status, ui.send], **quiet}
     ui.clear.click(**clear_args)
