@@ -12,6 +12,7 @@ import pytest
 
 from engine import EngineConfig
 from engine.core.block_manager import BlockSnapshot
+from engine.telemetry.ceilings import DeviceCeilings
 from playground.handlers.compare import (
     COMPARE_HEADERS,
     HEADLINE_MARK,
@@ -224,3 +225,55 @@ def test_kv_loaded_model_uses_the_engines_kv_element_not_the_form():
     assert "the loaded engine's own, 2 B" in formula_markdown(x)
     with pytest.raises(ValueError, match="maximum of 1,024"):
         _kv(LOADED_MODEL, seq_len=2048, info=info)
+
+
+# --- Roofline --------------------------------------------------------------------------------
+
+
+def _roof(bandwidth: float, bf16: float, name: str = "cpu-test") -> DeviceCeilings:
+    peaks = {"float32": bf16 / 2, "bfloat16": bf16, "float16": bf16}
+    return DeviceCeilings(name, peaks, bandwidth, True, "measured on cpu: test")
+
+
+def test_remeasure_keeps_the_best_of_repeats_and_never_silently_lowers_the_roof(
+    tmp_path, monkeypatch
+):
+    from engine.telemetry import ceilings as ceilings_module
+    from playground.handlers.roofline import CeilingsProvider, remeasure_note
+
+    monkeypatch.setenv("PLAYGROUND_CACHE_DIR", str(tmp_path))
+    ceilings_module.clear_memory_cache()
+    busy = iter([_roof(5.75e9, 181e9), _roof(4e9, 150e9), _roof(5e9, 170e9)])
+    first = [_roof(16.6e9, 925e9), _roof(12e9, 900e9), _roof(16e9, 700e9)]
+    runs = iter(first)
+    provider = CeilingsProvider("cpu", measure=lambda device: next(runs))
+    monkeypatch.setattr(ceilings_module, "device_name", lambda device="cpu": "cpu-test")
+    monkeypatch.setattr(ceilings_module, "measure_ceilings", lambda device="cpu": first[1])
+    assert provider.measured().bandwidth_bytes_per_s == 12e9  # measured once, cached
+    steps = []
+    best, kept = provider.remeasure(on_progress=lambda i, n: steps.append((i, n)))
+    assert kept and steps == [(0, 3), (1, 3), (2, 3)]
+    assert best.bandwidth_bytes_per_s == 16.6e9 and best.peak("bfloat16") == 925e9  # best of 3
+    assert "best of 3 runs" in best.source and "UTC" in best.source and "±28%" in best.source
+    provider._measure = lambda device: next(busy)
+    lower, kept = provider.remeasure()
+    assert not kept and provider.latest is lower and lower.bandwidth_bytes_per_s == 5.75e9
+    assert provider.get("this device (measured)") is best  # the better roof stays shown
+    ceilings_module.clear_memory_cache()
+    assert ceilings_module.get_ceilings("cpu").bandwidth_bytes_per_s == 16.6e9  # and cached
+    note = remeasure_note(lower, kept, best, "bfloat16")
+    assert "not kept" in note and "181 GFLOP/s" in note and "925 GFLOP/s" in note
+    ceilings_module.clear_memory_cache()
+
+
+def test_roofline_axes_in_one_notation_and_the_ridge_label_beside_its_line():
+    from engine.telemetry.ceilings import PRESETS
+    from playground.figures.roofline import roofline_figure
+
+    fig = roofline_figure(PRESETS["H100 SXM"], "bfloat16", [])
+    y_text = list(fig.layout.yaxis.ticktext)
+    assert "1 PFLOP/s" in y_text and "100 TFLOP/s" in y_text
+    assert all(t.endswith("FLOP/s") and "^" not in t and "e+" not in t for t in y_text)
+    assert list(fig.layout.xaxis.ticktext)[:3] == ["0.1", "1", "10"]
+    ridge = next(a for a in fig.layout.annotations if a.text.startswith("ridge"))
+    assert ridge.xanchor == "left" and ridge.xshift > 0  # starts right of the dotted line

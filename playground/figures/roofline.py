@@ -18,6 +18,14 @@ def marker_size(batch_size: int) -> float:
     return 6.0 + 4.0 * math.sqrt(max(1, batch_size))
 
 
+def decade_ticks(lo: float, hi: float) -> list[float]:
+    """Powers of ten covering [lo, hi]: the log axes label only these, all in one notation
+    (fmt_si: '100 TFLOP/s', '1 PFLOP/s'), never Plotly's mix of '10^15' and '100T'."""
+    first = math.floor(math.log10(max(lo, 1e-30)))
+    last = math.ceil(math.log10(max(hi, lo, 1e-30)))
+    return [10.0**k for k in range(first, last + 1)]
+
+
 def _point_hover(step: StepStats, fraction: float) -> str:
     return (
         f"step {step.step_index} ({step.kind})<br>batch {step.batch_size} requests: "
@@ -72,16 +80,34 @@ def roofline_figure(
             hovertemplate="%{text}<extra></extra>",
         )
     fig.add_vline(x=ridge, line={"dash": "dot", "color": "#6b7280"})
+    # Right of the dotted line and under the flat roof, so the text crosses neither.
     fig.add_annotation(
         x=math.log10(ridge),
         y=math.log10(peak),
         text=f"ridge {ridge:.3g} FLOP/B",
         showarrow=False,
-        yshift=12,
+        xanchor="left",
+        yanchor="top",
+        xshift=6,
+        yshift=-6,
         font={"size": 11, "color": "#374151"},
     )
-    fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOP / byte moved)")
-    fig.update_yaxes(type="log", title_text="FLOP/s", exponentformat="SI")
+    xs_all = [*xs, *intensities]
+    ys_all = [*ys, *(s.achieved_flops_per_s for s in steps)]
+    x_ticks = decade_ticks(min(xs_all), max(xs_all))
+    y_ticks = decade_ticks(min(ys_all), max(ys_all))
+    fig.update_xaxes(
+        type="log",
+        title_text="arithmetic intensity (FLOP / byte moved)",
+        tickvals=x_ticks,
+        ticktext=[fmt_si(v) for v in x_ticks],
+    )
+    fig.update_yaxes(
+        type="log",
+        title_text="FLOP/s",
+        tickvals=y_ticks,
+        ticktext=[fmt_si(v, "FLOP/s") for v in y_ticks],
+    )
     kind = "measured" if ceilings.measured else "datasheet"
     title = (
         f"{ceilings.name} ({kind}, {dtype}): peak {fmt_si(peak, 'FLOP/s')}, "

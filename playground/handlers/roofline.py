@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
 
 import plotly.graph_objects as go
 
-from engine.telemetry.ceilings import PRESETS, DeviceCeilings, get_ceilings, roof_fraction
+from engine.telemetry.ceilings import (
+    PRESETS,
+    DeviceCeilings,
+    get_ceilings,
+    measure_ceilings,
+    remember_ceilings,
+    roof_fraction,
+)
 from engine.telemetry.stats import StepStats
 from playground.figures.roofline import roofline_figure
 from playground.figures.style import fmt_si
@@ -27,28 +36,82 @@ HOW_TO_READ = (
 )
 
 
+MEASURE_REPEATS = 3  # a re-measure keeps the best of these: a busy CPU only ever slows one
+
+
 def roof_choices() -> list[str]:
     return [MEASURED, *PRESETS]
 
 
+def best_of(runs: Sequence[DeviceCeilings], measured_at: str) -> DeviceCeilings:
+    """Each ceiling's best over the runs (anything else on the machine only lowers one), with
+    the date and the spread ((best - worst) / best) written into its source."""
+    peaks = {k: max(r.peak_flops_per_s[k] for r in runs) for k in runs[0].peak_flops_per_s}
+    bandwidth = max(r.bandwidth_bytes_per_s for r in runs)
+
+    def spread(values: list[float]) -> str:
+        return f"±{(max(values) - min(values)) / max(values):.0%}"
+
+    bf16 = [r.peak_flops_per_s.get("bfloat16", 0.0) for r in runs]
+    source = (
+        f"measured {measured_at}, best of {len(runs)} runs (spread: bandwidth "
+        f"{spread([r.bandwidth_bytes_per_s for r in runs])}, bf16 peak {spread(bf16)}); "
+        f"{runs[0].source}"
+    )
+    return replace(runs[0], peak_flops_per_s=peaks, bandwidth_bytes_per_s=bandwidth, source=source)
+
+
+def is_better(new: DeviceCeilings, old: DeviceCeilings) -> bool:
+    """The new roof is at least as high as the old one on bandwidth and on every shared peak
+    (a lower roof usually means the machine was busy while measuring)."""
+    shared = set(new.peak_flops_per_s) & set(old.peak_flops_per_s)
+    return new.bandwidth_bytes_per_s >= old.bandwidth_bytes_per_s and all(
+        new.peak_flops_per_s[k] >= old.peak_flops_per_s[k] for k in shared
+    )
+
+
 class CeilingsProvider:
     """This device's ceilings, measured at most once (engine.telemetry.ceilings caches them on
-    disk too), re-measured on request."""
+    disk too). A re-measure keeps the best of repeats and replaces the shown (and cached) roof
+    only when it is higher; a lower one is kept beside it as `latest` and said so."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, measure=measure_ceilings) -> None:
         self.device = device
+        self._measure = measure
         self._measured: DeviceCeilings | None = None
+        self.latest: DeviceCeilings | None = None  # the last re-measure, when it was not kept
         self._lock = threading.Lock()
 
     @property
     def measured_yet(self) -> bool:
         return self._measured is not None
 
-    def measured(self, refresh: bool = False) -> DeviceCeilings:
+    def measured(self) -> DeviceCeilings:
         with self._lock:
-            if self._measured is None or refresh:
-                self._measured = get_ceilings(self.device, refresh=refresh)
+            if self._measured is None:
+                self._measured = get_ceilings(self.device)
             return self._measured
+
+    def remeasure(
+        self,
+        repeats: int = MEASURE_REPEATS,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> tuple[DeviceCeilings, bool]:
+        """Measures `repeats` times; returns (best of them, whether it is now the shown roof)."""
+        runs = []
+        for i in range(repeats):
+            if on_progress is not None:
+                on_progress(i, repeats)
+            runs.append(self._measure(self.device))
+        new = best_of(runs, datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
+        old = self.measured()
+        with self._lock:
+            if is_better(new, old):
+                self._measured, self.latest = new, None
+                remember_ceilings(new)
+                return new, True
+            self.latest = new
+            return new, False
 
     def get(self, choice: str) -> DeviceCeilings:
         if choice == MEASURED:
@@ -56,6 +119,23 @@ class CeilingsProvider:
         if choice not in PRESETS:
             raise ValueError(f"roof: pick one of {', '.join(roof_choices())}")
         return PRESETS[choice]
+
+
+def remeasure_note(new: DeviceCeilings, kept: bool, shown: DeviceCeilings, dtype: str) -> str:
+    """What a re-measure found, said next to the roof it leaves shown."""
+
+    def roof(c: DeviceCeilings) -> str:
+        return (
+            f"{fmt_si(c.peak(dtype), 'FLOP/s')} / {fmt_si(c.bandwidth_bytes_per_s, 'B/s')} "
+            f"({c.source.split(';')[0]})"
+        )
+
+    if kept:
+        return f"**Re-measured:** the new roof {roof(new)} is shown (it is not lower)."
+    return (
+        f"**Re-measured, not kept:** the new roof {roof(new)} is lower than the one shown, "
+        f"{roof(shown)}: the machine was probably busy. The better (shown) roof stays cached."
+    )
 
 
 def caption(ceilings: DeviceCeilings, dtype: str, steps: Sequence[StepStats], device: str) -> str:

@@ -3,6 +3,7 @@ engine's recent steps as points. In remote mode: datasheet roofs only, and why n
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import gradio as gr
@@ -10,9 +11,11 @@ import gradio as gr
 from playground.context import AppContext
 from playground.handlers.roofline import (
     HOW_TO_READ,
+    MEASURE_REPEATS,
     MEASURED,
     NO_REMOTE_STEPS,
     PRESETS,
+    remeasure_note,
     remote_roofline_view,
     roof_choices,
     roofline_view,
@@ -72,32 +75,51 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         return
     dtype = ctx.info.dtype
 
-    def draw(choice, last_num_steps=None, auto=True, remeasure=False, force=True):
+    def draw(choice, last_num_steps=None, auto=True, force=True, note=""):
         if not auto and not force:
             return gr.skip(), gr.skip(), gr.skip()
         stats = ctx.service.stats()
         if not force and stats.num_steps_total == last_num_steps:
             return gr.skip(), gr.skip(), gr.skip()
         try:
-            if remeasure:
-                ctx.ceilings.measured(refresh=True)
             fig, caption = roofline_view(ctx.ceilings, choice, dtype, stats.steps)
         except (ValueError, KeyError, RuntimeError) as e:
             gr.Warning(f"Roofline: {e}")
             return gr.skip(), f"**Could not draw the roofline:** {e}", last_num_steps
-        return fig, caption, stats.num_steps_total
+        return fig, (f"{note}\n\n{caption}" if note else caption), stats.num_steps_total
 
     def tick(choice, last_num_steps, auto):
         return draw(choice, last_num_steps, auto, force=False)
 
-    def remeasure(choice, last_num_steps):
-        return draw(choice, last_num_steps, remeasure=True)
+    async def remeasure(choice, last_num_steps, progress=gr.Progress()):
+        """Best of MEASURE_REPEATS runs, with progress; the caption says what was kept."""
+        skip = gr.skip()
+
+        def step(i: int, n: int) -> None:
+            progress((i, n), desc=f"Measuring this device's ceilings, run {i + 1} of {n}")
+
+        yield skip, f"**Measuring this device's ceilings** ({MEASURE_REPEATS} runs)...", skip
+        try:
+            new, kept = await asyncio.to_thread(ctx.ceilings.remeasure, on_progress=step)
+        except RuntimeError as e:
+            yield skip, f"**The measurement failed:** {e}", skip
+            return
+        note = remeasure_note(new, kept, ctx.ceilings.measured(), dtype)
+        if not kept:
+            gr.Warning("Re-measured roof is lower than the cached one: kept the better one.")
+        yield draw(choice, last_num_steps, note=note)
 
     outputs = [ui.figure, ui.caption, ui.num_steps]
     common = {"concurrency_id": "roofline", "concurrency_limit": 2, "show_progress": "minimal"}
     ui.refresh.click(draw, [ui.roof, ui.num_steps], outputs, api_name="roofline", **common)
     ui.roof.change(draw, [ui.roof, ui.num_steps], outputs, api_visibility="private", **common)
-    ui.remeasure.click(remeasure, [ui.roof, ui.num_steps], outputs, api_name="remeasure", **common)
+    ui.remeasure.click(
+        remeasure,
+        [ui.roof, ui.num_steps],
+        outputs,
+        api_name="remeasure",
+        **{**common, "show_progress": "full"},
+    )
     ui.tab.select(draw, [ui.roof, ui.num_steps], outputs, api_visibility="private", **common)
     ui.timer.tick(
         tick,
