@@ -277,3 +277,52 @@ def test_roofline_axes_in_one_notation_and_the_ridge_label_beside_its_line():
     assert list(fig.layout.xaxis.ticktext)[:3] == ["0.1", "1", "10"]
     ridge = next(a for a in fig.layout.annotations if a.text.startswith("ridge"))
     assert ridge.xanchor == "left" and ridge.xshift > 0  # starts right of the dotted line
+
+
+# --- Latency ---------------------------------------------------------------------------------
+
+
+def _stats_with_history(now: float, steps_from: float, finished_at: list[float], dropped: bool):
+    from dataclasses import replace as dc_replace
+
+    from engine.request import RequestMetrics
+    from engine.telemetry.stats import EngineStats, FinishedRequest, StepStats
+
+    template = StepStats(step_index=0, start_time=0.0, duration_s=0.01, kind="decode",
+                         num_prefill_tokens=0, num_decode_tokens=4, num_prefill_reqs=0,
+                         num_decode_reqs=4, batch_size=4, num_running=4, num_waiting=0,
+                         num_preemptions=0, num_blocks_used=8, num_blocks_free=56,
+                         num_kv_blocks=64, flops=4e9, bytes_moved=3e8)  # fmt: skip
+    steps = [dc_replace(template, step_index=i, start_time=t)
+             for i, t in enumerate(range(int(steps_from), int(now), 5))]  # fmt: skip
+    finished = []
+    for i, t in enumerate(finished_at):
+        m = RequestMetrics(arrival_time=t - 1.0, first_scheduled_time=t - 0.9,
+                           first_token_time=t - 0.8, finish_time=t,
+                           token_times=[t - 0.8, t - 0.4, t], num_output_tokens=3)  # fmt: skip
+        finished.append(FinishedRequest(f"r{i}", "length", m))
+    total = len(steps) + (10_000 if dropped else 0)
+    return EngineStats(64, 56, 16, 1 << 20, 0, 0, 0, total, steps=steps, finished=finished)
+
+
+def test_latency_cdfs_and_throughput_cover_the_same_window():
+    from playground.handlers.latency import latency_view, shared_window_start
+
+    now = 2000.0
+    # Steps kept for the last ~450 s only (the ring dropped older ones); requests for 20 min.
+    stats = _stats_with_history(now, now - 450, [now - 1200, now - 900, now - 300, now - 10],
+                                dropped=True)  # fmt: skip
+    assert shared_window_start(stats, math.inf, now) == now - 450
+    view = latency_view(stats, "all kept", now=now)
+    assert view.table[0][1] == 2  # only the requests inside the steps' 450 s
+    assert "last 7.5 min" in view.cdfs.layout.title.text
+    assert "last 7.5 min" in view.throughput.layout.title.text
+    assert "keeps its last" in view.summary_md and "same last 7.5 min" in view.summary_md
+    # A 60 s window within the kept steps: both charts say the same 60 s; nothing cut.
+    short = latency_view(stats, "last 60 s", now=now)
+    assert short.table[0][1] == 1 and "last 60 s" in short.cdfs.layout.title.text
+    assert "last 60 s" in short.throughput.layout.title.text
+    assert "keeps its last" not in short.summary_md
+    # Nothing dropped: "all kept" is all of it, the four requests.
+    whole = _stats_with_history(now, now - 1300, [now - 1200, now - 10], dropped=False)
+    assert latency_view(whole, "all kept", now=now).table[0][1] == 2

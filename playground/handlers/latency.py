@@ -3,6 +3,7 @@ RequestMetrics: from arrival in the engine) and its token throughput over time (
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,10 +44,29 @@ def summary_table(values_ms: dict[str, list[float]]) -> list[list[str | int]]:
     return rows
 
 
+def shared_window_start(stats: EngineStats, window_s: float, now: float) -> float:
+    """Where both the CDFs and the throughput chart start: the window's start, or later when
+    the engine's step history (a bounded ring) no longer reaches back that far. Finished
+    requests are kept longer than steps, so cutting them there makes both charts cover one
+    span of time."""
+    start = now - window_s
+    steps_dropped = stats.num_steps_total > len(stats.steps)
+    if steps_dropped and stats.steps:
+        start = max(start, stats.steps[0].start_time)
+    return start
+
+
+def _span(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "all kept"
+    return f"last {seconds:.0f} s" if seconds < 120 else f"last {seconds / 60:.1f} min"
+
+
 def latency_view(stats: EngineStats, window: str, now: float | None = None) -> LatencyView:
     now = time.perf_counter() if now is None else now
     window_s = WINDOWS_S.get(window, float("inf"))
-    t0 = now - window_s
+    t0 = shared_window_start(stats, window_s, now)
+    cut = t0 > now - window_s  # the step history is shorter than the window asked for
     finished = [
         f for f in stats.finished if f.metrics.finish_time is None or f.metrics.finish_time >= t0
     ]
@@ -54,13 +74,23 @@ def latency_view(stats: EngineStats, window: str, now: float | None = None) -> L
     aborted = sum(f.finish_reason == "abort" for f in finished)
     steps = [s for s in stats.steps if s.start_time >= t0]
     start = steps[0].start_time if steps else now
+    span = _span(now - t0) if math.isfinite(t0) else _span(now - start)
     bin_s = nice_bin_s(now - start)
+    covers = f"Both charts cover the same {span}" + (
+        f": the engine keeps its last {len(stats.steps):,} steps, less than the "
+        f"{window} window, so requests that finished earlier are left out too."
+        if cut
+        else "."
+    )
     if not finished:
-        md = "No finished request in this window: send a message in Chat or run a load test."
+        md = (
+            "No finished request in this window: send a message in Chat or run a load test."
+            f" {covers}"
+        )
     else:
         md = (
             f"**{len(finished) - aborted}** finished requests ({aborted} aborted, left out) in "
-            f"the {window} window ({len(stats.finished)} in the engine's history). TTFT counts "
+            f"the {span} ({len(stats.finished)} in the engine's history). {covers} TTFT counts "
             "from arrival in the engine; TPOT = (last token - first token) / (tokens - 1); ITL "
             "pools every gap between consecutive tokens."
         )
@@ -68,15 +98,19 @@ def latency_view(stats: EngineStats, window: str, now: float | None = None) -> L
         steps,
         start,
         bin_s,
-        "Engine throughput (prefill + decode tokens/s)",
+        f"Engine throughput (prefill + decode tokens/s), {span}",
         x_shift_s=start - now,
         x_title="seconds ago (0 = now)",
     )
     if steps:  # the axis runs up to now, so an idle stretch shows as one
-        throughput.update_xaxes(range=[start - now, 0])
+        left = t0 if math.isfinite(t0) else start
+        throughput.update_xaxes(range=[left - now, 0])
     return LatencyView(
         summary_md=md,
-        cdfs=cdf_figure({k: {"engine": v} for k, v in values.items()}, "Latency CDFs"),
+        cdfs=cdf_figure(
+            {k: {"engine": v} for k, v in values.items()},
+            f"Latency CDFs, requests finished in the {span}",
+        ),
         table=summary_table(values),
         throughput=throughput,
     )
