@@ -326,3 +326,40 @@ def test_latency_cdfs_and_throughput_cover_the_same_window():
     # Nothing dropped: "all kept" is all of it, the four requests.
     whole = _stats_with_history(now, now - 1300, [now - 1200, now - 10], dropped=False)
     assert latency_view(whole, "all kept", now=now).table[0][1] == 2
+
+
+# --- Load test -------------------------------------------------------------------------------
+
+
+def test_a_stopped_load_test_counts_its_aborted_requests():
+    from playground.handlers.loadtest import BackgroundRun
+
+    class Slow(_SlowTarget):
+        async def send(self, request, spec):
+            if request.index > 0:
+                await asyncio.sleep(30)  # in flight until Stop aborts it
+            return await super().send(request, spec)
+
+    spec = WorkloadSpec(num_prompts=24, request_rate=math.inf)
+    requests = [GenRequest(i, [5, 6], 2, 1) for i in range(24)]
+    run = BackgroundRun(spec, Slow(), requests).start()
+    deadline = time.perf_counter() + 10
+    while not run.results and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    run.stop()
+    assert run.done.wait(10) and run.stopped
+    assert run.result.summary()["completed"] == 1 and run.num_aborted == 23
+
+
+def test_workload_form_hides_what_the_distribution_does_not_use():
+    import gradio as gr
+
+    from playground.tabs.workload_form import KIND_FIELDS, workload_form
+
+    assert KIND_FIELDS["fixed"] == ("mean",) and "std" in KIND_FIELDS["normal"]
+    with gr.Blocks():
+        form = workload_form(DEFAULT_COMPARE_WORKLOAD, list(DEFAULT_COMPARE_WORKLOAD))
+    assert form["input_mean"].visible is False and form["input_low"].visible is not False
+    assert form["request_rate"].visible is False  # all at once: no rate
+    assert form["burstiness"].visible is False
+    assert all(len(c.label) <= 24 for c in form.values() if isinstance(c, gr.Number))

@@ -230,6 +230,13 @@ class BackgroundRun:
             loop.call_soon_threadsafe(task.cancel)
 
     @property
+    def num_aborted(self) -> int:
+        """Requests Stop cut off: in flight (aborted) or not sent yet; 0 for a full run."""
+        if not self.stopped or self.result is None:
+            return 0
+        return self.total - len(self.result.per_request)
+
+    @property
     def elapsed_s(self) -> float:
         end = self.result.end_time if self.result is not None else time.perf_counter()
         return end - self.start_time

@@ -170,10 +170,14 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             REMOTE_GANTT if remote else ENGINE_GANTT,
             client_only=remote,
         )
-        note = "stopped early; the table covers the requests that finished. " if run.stopped else ""
+        note = (
+            "Stopped: aborted requests (in flight or not sent yet) are left out of the table. "
+            if run.stopped
+            else ""
+        )
         status = (
             f"**Done** in {result.duration_s:.1f} s: {summary['completed']} succeeded, "
-            f"{summary['failed']} failed. {note}Latencies are measured by the client (send -> "
+            f"{summary['failed']} failed, {run.num_aborted} aborted. {note}Latencies are measured by the client (send -> "
             "first token -> last token), as `vllm bench serve` does."
         ) + notes_markdown(result.notes)
         path = await asyncio.to_thread(write_result_json, result)
