@@ -242,7 +242,9 @@ def _median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     for key, value in summaries[-1].items():
         values = [s.get(key) for s in summaries]
         if isinstance(value, int | float) and all(isinstance(v, int | float) for v in values):
-            out[key] = statistics.median(values)
+            # Counts stay whole (median_low picks one of them); timings take the true median.
+            ints = all(isinstance(v, int) for v in values)
+            out[key] = statistics.median_low(values) if ints else statistics.median(values)
     return out
 
 

@@ -287,7 +287,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         a, b = cmp.outcomes
         headline = PRESET_DEFAULTS[preset].headline if preset in PRESET_DEFAULTS else None
         status = (
-            f"**Done** ({num_repeats} run(s) per side). A = {a.label[3:]}, B = {b.label[3:]}. "
+            f"**Done.** {num_repeats} run(s) per side. A = {a.label[3:]}, B = {b.label[3:]}. "
             "Ratios are B / A; 'better' names the side that wins beyond the noise band, '≈' "
             "a difference within it." + (f" Headline: ★ {headline}." if headline else "")
         ) + cmp.problems()
