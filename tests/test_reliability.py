@@ -236,6 +236,160 @@ def test_one_poisoned_request_leaves_the_others_complete_and_exact(monkeypatch):
         finals = [s.result() for s in streams]
         bad_final = bad.result()
         assert bad_final.finished and bad_final.error
+        assert (
+            "sampling failed" in bad_final.error and "injected sampling failure" in bad_final.error
+        )
         assert [f.token_ids for f in finals] == reference
         assert all(f.error is None and f.finish_reason == "length" for f in finals)
         wait_all_blocks_free(svc)
+        assert svc.stats().num_step_failures_total == 0  # one request failed, not a step
+
+
+def _assert_clean(engine) -> None:
+    """No request left, every block free, the block manager's books consistent."""
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants()
+
+
+def test_poisoned_sampling_fails_alone_and_seeded_neighbours_stay_exact(llm_f32, monkeypatch):
+    """The embedded model in float32: a greedy and a seeded request sampled in the same batch
+    as a request whose draw raises get exactly their tokens and text from alone. The seeded one
+    draws before the poisoned row, so this also checks that its generator is replayed from its
+    pre-batch state (drawn twice, it would continue differently)."""
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    params = [seeded, GREEDY]
+    alone = llm_f32.generate(prompts[:2], params)
+    monkeypatch.setattr(torch, "multinomial", _poisoned_multinomial(torch.multinomial))
+    poison = SamplingParams(max_tokens=8, temperature=1.0, seed=POISON_SEED)
+    mixed = llm_f32.generate(prompts, [*params, poison])
+    assert [(o.token_ids, o.text) for o in mixed[:2]] == [(o.token_ids, o.text) for o in alone]
+    assert all(o.error is None and o.finish_reason == "length" for o in mixed[:2])
+    bad = mixed[2]
+    assert bad.finished and bad.finish_reason == "abort" and bad.token_ids == []
+    assert bad.error == "engine error: sampling failed: RuntimeError: injected sampling failure"
+    _assert_clean(llm_f32.engine)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 8], ids=["finishing-that-step", "mid-generation"])
+def test_a_request_whose_detokenizing_raises_fails_alone(tiny_llm, monkeypatch, max_tokens):
+    """With max_tokens=1 the bad request hits its length limit in the same step (its blocks
+    are already free when detokenizing raises); with 8 it is still running and is aborted."""
+    import engine.core.output as output_module
+
+    real = output_module.detokenize_new
+    marker = 7  # the first prompt token of the request whose detokenizing raises
+
+    def detokenize_new(tokenizer, request, final=False):
+        if request.prompt_token_ids[0] == marker and request.num_output_tokens >= 1:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer failure")
+        return real(tokenizer, request, final=final)
+
+    alone = tiny_llm.generate(PROMPTS[:3], GREEDY)
+    monkeypatch.setattr(output_module, "detokenize_new", detokenize_new)
+    bad_params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    mixed = tiny_llm.generate([*PROMPTS[:3], [marker, 8, 9]], [GREEDY] * 3 + [bad_params])
+    assert [(o.token_ids, o.text) for o in mixed[:3]] == [(o.token_ids, o.text) for o in alone]
+    assert all(o.error is None and o.finish_reason == "length" for o in mixed[:3])
+    bad = mixed[3]
+    assert bad.finished and bad.finish_reason == "abort"
+    assert bad.error.startswith("engine error: detokenizing failed: UnicodeDecodeError")
+    assert "injected detokenizer failure" in bad.error
+    _assert_clean(tiny_llm.engine)
+
+
+def _fail_forward_at(model, monkeypatch, call: int) -> list[int]:
+    """Make the model's `call`-th forward pass from now raise (once); returns the call count."""
+    real_forward = model.forward
+    calls = [0]
+
+    def forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise RuntimeError("injected forward failure")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    return calls
+
+
+def _step_failures_metric(engine) -> float:
+    text = engine.metrics_registry.render().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("playground:engine_step_failures"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("fail_at", [1, 3], ids=["first-prefill", "mid-decode"])
+def test_a_failed_forward_fails_that_steps_requests_only(make_llm, monkeypatch, caplog, fail_at):
+    """max_num_seqs=2: the third request waits outside the failed step and completes exactly;
+    the two in it get the error; no block leaks; the failure is logged once, counted in
+    EngineStats and in Prometheus; and the engine serves exactly afterwards."""
+    llm = make_llm(**TINY, max_num_seqs=2)
+    engine = llm.engine
+    alone = llm.generate(PROMPTS[:3], GREEDY)
+    failures_before = engine.stats().num_step_failures_total
+    metric_before = _step_failures_metric(engine)
+    _fail_forward_at(engine.runner.model, monkeypatch, fail_at)
+    with caplog.at_level("ERROR", logger="engine.core.engine"):
+        outs = llm.generate(PROMPTS[:3], GREEDY)
+    for out in outs[:2]:
+        assert out.finished and out.finish_reason == "abort"
+        assert (
+            out.error == "engine error: forward pass failed: RuntimeError: injected forward failure"
+        )
+        assert len(out.token_ids) == fail_at - 1  # one token per forward before it
+    assert outs[2].token_ids == alone[2].token_ids and outs[2].error is None
+    assert [r.levelname for r in caplog.records] == ["ERROR"]
+    assert "injected forward failure" in caplog.text
+    assert engine.stats().num_step_failures_total == failures_before + 1
+    assert _step_failures_metric(engine) == metric_before + 1
+    _assert_clean(engine)
+    again = llm.generate(PROMPTS[:3], GREEDY)
+    assert [o.token_ids for o in again] == [o.token_ids for o in alone]
+    assert all(o.error is None for o in again)
+    _assert_clean(engine)
+
+
+def test_service_delivers_an_engine_error_to_the_poisoned_stream_only(monkeypatch):
+    """Through EngineService, consumed as async streams: a stream whose detokenizing raises
+    ends with the error while the others stream to completion, exactly; the engine thread
+    stays alive and serves the next requests."""
+    import asyncio
+
+    import engine.core.output as output_module
+
+    real = output_module.detokenize_new
+
+    def detokenize_new(tokenizer, request, final=False):
+        if request.prompt_token_ids[0] == 7 and request.num_output_tokens >= 3:
+            raise RuntimeError("injected detokenizer failure")
+        return real(tokenizer, request, final=final)
+
+    async def consume(stream):
+        return [delta async for delta in stream]
+
+    async def run_all(streams):
+        return await asyncio.gather(*(consume(s) for s in streams))
+
+    with EngineService(EngineConfig(**TINY)) as svc:
+        reference = [svc.submit(p, GREEDY).result().token_ids for p in PROMPTS]
+        monkeypatch.setattr(output_module, "detokenize_new", detokenize_new)
+        streams = [svc.submit(p, GREEDY) for p in PROMPTS[:3]]
+        streams.insert(1, svc.submit([7, 8, 9], GREEDY))
+        streams += [svc.submit(p, GREEDY) for p in PROMPTS[3:]]
+        deltas = asyncio.run(run_all(streams))
+        bad = deltas.pop(1)
+        assert [d[-1].token_ids for d in deltas] == reference
+        assert all(d[-1].error is None and d[-1].finish_reason == "length" for d in deltas)
+        assert all(delta.error is None for d in deltas for delta in d)
+        assert bad[-1].finished and "injected detokenizer failure" in bad[-1].error
+        assert [d.error for d in bad[:-1]] == [None] * (len(bad) - 1)
+        assert svc.is_alive()
+        wait_all_blocks_free(svc)
+        monkeypatch.undo()
+        after = [svc.submit(p, GREEDY).result() for p in PROMPTS[:2]]
+        assert [o.token_ids for o in after] == reference[:2]
+        wait_all_blocks_free(svc)
+        with svc._lock:
+            svc.engine.block_manager.check_invariants()
