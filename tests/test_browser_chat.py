@@ -77,9 +77,7 @@ def test_draft_stays_send_is_refused_and_clear_stops_the_reply(page):
     page.click("#chat-send")
     wait_text(page, "#chatbot", r"TTFT \d+ ms", 60)
     assert "lighthouse" not in page.locator("#chatbot").inner_text()
-    expect(
-        page.locator("#chatbot .message-row, #chatbot [data-testid='user']").first
-    ).to_be_visible()
+    assert page.locator("#chatbot").inner_text().count("Say hi.") == 1
 
 
 def test_trash_icon_resets_the_conversation_and_stops_the_reply(page):
@@ -98,15 +96,17 @@ def test_trash_icon_resets_the_conversation_and_stops_the_reply(page):
 
 def test_numeric_fields_are_refused_visibly_not_rounded(page):
     page.locator("#chat-clear").click()
-    for label, value, field in (("Top-k (-1 = off)", 2.5, "top_k"), ("Top-k (-1 = off)", 0, "top_k"),
-                                ("Seed (-1 = random)", -5, "seed")):  # fmt: skip
-        set_number(page, "tab-chat", f"number input for {label}", value)
+    for elem_id, value, field in (("chat-top-k", 2.5, "top_k"), ("chat-top-k", 0, "top_k"),
+                                  ("chat-seed", -5, "seed")):  # fmt: skip
+        box = page.locator(f"#{elem_id} input")
+        box.fill(str(value))
+        box.press("Tab")  # Gradio reads numbers on blur; the check runs then
         wait_text(page, "#chat-status", rf"Fix before sending: {field}", 10)
-        box = page.locator(f"#tab-chat input[aria-label='number input for {label}']")
         expect(box).to_have_value(str(value))  # never silently rounded
         page.fill("#chat-input textarea", "hello")
         page.click("#chat-send")
-        wait_text(page, "#chat-status", rf"Not sent:\*\* {field}", 10)
+        wait_text(page, "#chat-status", rf"Not sent: {field}", 10)
         expect(page.locator("#chat-input textarea")).to_have_value("hello")
-        set_number(page, "tab-chat", f"number input for {label}", -1)
+        box.fill("-1")
+        box.press("Tab")
         wait_text(page, "#chat-status", r"^\s*$", 10)

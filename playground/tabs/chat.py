@@ -229,15 +229,17 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         "api_visibility": "private",
     }
     quiet = {"api_visibility": "private", "show_progress": "hidden", "concurrency_limit": None}
-    ui.send.click(**chat_args)
-    ui.message.submit(**chat_args)
+    replies = [ui.send.click(**chat_args), ui.message.submit(**chat_args)]
     # The /chat API on its own hidden trigger: an API caller has neither a draft to keep nor
     # a Send button, so its last output clears the message ("" where the browser's events
     # leave the box alone).
     api_args = {**chat_args, "fn": respond_api, "outputs": outputs[:4], "api_visibility": "public"}
     ui.api_trigger.click(**api_args, api_name="chat")
     ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_chat")
-    clear_args = {"fn": clear, "outputs": [ui.chatbot, ui.turns, ui.status, ui.send], **quiet}
+    # cancels: the browser drops the stale reply's updates still in flight, which would
+    # otherwise redraw the old conversation after the clear.
+    clear_args = {"fn": clear, "outputs": [ui.chatbot, ui.turns, ui.status, ui.send],
+                  "cancels": replies, **quiet}  # fmt: skip
     ui.clear.click(**clear_args)
     ui.chatbot.clear(**clear_args)  # the chatbot's own trash icon: the same new conversation
     ui.top_k.blur(check_field("top_k"), ui.top_k, ui.status, **quiet)
