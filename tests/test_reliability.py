@@ -393,3 +393,43 @@ def test_service_delivers_an_engine_error_to_the_poisoned_stream_only(monkeypatc
         wait_all_blocks_free(svc)
         with svc._lock:
             svc.engine.block_manager.check_invariants()
+
+
+def test_a_request_whose_draft_verification_raises_fails_alone(make_llm, monkeypatch):
+    """Speculative decoding: every decoding request verifies a draft; the one whose verifier
+    raises fails alone and the others get exactly the tokens they get without it."""
+    import engine.runner.model_runner as runner_module
+
+    llm = make_llm(**TINY, speculative_method="ngram")
+    engine = llm.engine
+    monkeypatch.setattr(
+        engine.proposer,
+        "propose",
+        lambda running: {
+            r.request_id: [21, 22] for r in running if r.num_computed_tokens + 1 == r.num_tokens
+        },
+    )
+    real_verify = runner_module.verify
+
+    def verify(logits, draft, params, generator, history=()):
+        if history and history[0] == 7:  # repetition_penalty set: history is the tokens
+            raise RuntimeError("injected verify failure")
+        return real_verify(logits, draft, params, generator, history)
+
+    monkeypatch.setattr(runner_module, "verify", verify)
+    alone = llm.generate(PROMPTS[:3], GREEDY)
+    bad_params = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.1
+    )
+    stats_before = engine.stats()
+    mixed = llm.generate([*PROMPTS[:3], [7, 8, 9]], [GREEDY] * 3 + [bad_params])
+    assert engine.stats().num_draft_tokens_total > stats_before.num_draft_tokens_total
+    assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in alone]
+    assert all(o.error is None and o.finish_reason == "length" for o in mixed[:3])
+    bad = mixed[3]
+    assert bad.finished and bad.finish_reason == "abort" and len(bad.token_ids) == 1
+    assert (
+        bad.error
+        == "engine error: draft verification failed: RuntimeError: injected verify failure"
+    )
+    _assert_clean(engine)
