@@ -133,6 +133,7 @@ def cached_llm():
     return LLM(dtype="float32", max_model_len=512, enable_prefix_caching=True, block_size=8)
 
 
+@pytest.mark.slow
 def test_prefix_hits_skip_prefill_and_keep_tokens(cached_llm, llm_f32):
     """Same greedy tokens as an engine without the cache; the second round computes only
     what the first did not leave cached, and every block is back on the free list."""
@@ -180,6 +181,7 @@ def test_running_requests_share_blocks_in_the_block_map(cached_llm):
     assert engine.telemetry.stats().num_free_kv_blocks == engine.core.block_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_preemption_with_prefix_caching_keeps_tokens(llm_f32):
     """A pool too small for the batch: requests are preempted and readmitted through the
     prefix cache (often hitting their own earlier blocks); the tokens do not change."""
@@ -198,6 +200,7 @@ def test_preemption_with_prefix_caching_keeps_tokens(llm_f32):
     llm.engine.block_manager.check_invariants()
 
 
+@pytest.mark.slow
 def test_static_batching_uses_the_prefix_cache_too(llm_f32):
     """Static batches admit from the cache as well: the second batch finds the first's
     system-prompt blocks; tokens unchanged, nothing leaked."""

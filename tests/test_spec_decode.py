@@ -53,6 +53,7 @@ def test_greedy_verify_with_repetition_penalty_counts_earlier_drafts():
     assert verify(logits, [1], params, None, history=[0]) == [1, 2]
 
 
+@pytest.mark.slow
 def test_rejection_sampling_preserves_the_target_distribution():
     """With any draft, the first token produced is distributed as p (q one-hot)."""
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -82,6 +83,7 @@ def spec_llm():
     return LLM(dtype="float32", max_model_len=512, speculative_method="ngram")
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_one_token_decoding_in_fewer_steps(spec_llm, llm_f32):
     params = SamplingParams(max_tokens=40, temperature=0.0)
     expected = [o.token_ids for o in llm_f32.generate(COPYING, params)]
