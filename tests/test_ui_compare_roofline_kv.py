@@ -363,3 +363,19 @@ def test_workload_form_hides_what_the_distribution_does_not_use():
     assert form["request_rate"].visible is False  # all at once: no rate
     assert form["burstiness"].visible is False
     assert all(len(c.label) <= 24 for c in form.values() if isinstance(c, gr.Number))
+
+
+def test_a_32_entry_block_map_legend_is_folded_so_the_map_keeps_its_room():
+    from playground.figures.blocks import block_map_figure
+    from playground.tabs.compare import MAX_LEGEND_ENTRIES, compact_legend
+
+    # Contiguous: 16 requests, each with used and reserved blocks: 32 owner categories.
+    states, owners = [], []
+    for r in range(16):
+        states += ["used", "reserved"]
+        owners += [f"req-{r}", f"req-{r}"]
+    snap = BlockSnapshot(32, 16, "contiguous", states, owners, [16, 0] * 16, [1, 1] * 16)
+    fig = compact_legend(block_map_figure(snap, "A at peak"))
+    shown = [t for t in fig.data if t.type == "scatter" and t.showlegend is not False and t.name]
+    assert len(shown) <= MAX_LEGEND_ENTRIES
+    assert shown[-1].name.startswith("+") and "hover a cell" in shown[-1].name

@@ -1,0 +1,85 @@
+"""Compare, Load test and KV calculator in a real browser (Debian's Chromium through
+Playwright, as tests/test_browser.py, whose app and page fixtures this reuses): switching
+presets resets the form; Stop in the Load test reports the aborted requests; the KV memory
+fraction typed + Enter never raises. Needs /usr/bin/chromium; never downloads a browser."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import test_browser as tb
+from test_browser import open_tab, set_number, wait_text
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting'"),
+    pytest.mark.filterwarnings("ignore:The copy keyword is deprecated"),
+]
+expect = pytest.importorskip("playwright.sync_api").expect
+app_url, page = tb.app_url, tb.page  # the app with the embedded model, one Chromium page
+
+PREFIX = "prefix caching off vs on (shared prompt prefix)"
+STATIC = "static vs continuous batching"
+
+
+def _number(page, tab_id: str, label: str, nth: int = 0):
+    return page.locator(f"#{tab_id} input[aria-label='{label}']").nth(nth)
+
+
+def _pick(page, tab_id: str, combobox: str, option: str) -> None:
+    page.locator(f"#{tab_id}").get_by_role("combobox", name=combobox).click()
+    page.get_by_role("option", name=option, exact=True).click()
+
+
+def test_switching_presets_sets_every_field_and_resets_the_others(page):
+    open_tab(page, "Compare")
+    prefix = _number(page, "tab-compare", "Shared prefix (tokens)")
+    requests = _number(page, "tab-compare", "Requests")
+    expect(prefix).to_have_value("0")
+    _pick(page, "tab-compare", "Preset", PREFIX)
+    expect(prefix).to_have_value("192")
+    expect(page.locator("#compare-headline")).to_contain_text("Prompt tokens computed")
+    set_number(page, "tab-compare", "Requests", 99)  # a hand edit, gone with the next preset
+    _pick(page, "tab-compare", "Preset", STATIC)
+    expect(prefix).to_have_value("0")  # the 192-token prefix does not carry over
+    expect(requests).to_have_value("12")
+    expect(page.locator("#compare-headline")).to_contain_text("Mean requests per step")
+    # The side forms follow: A is static, and both get the preset's 4 slots.
+    side_a = page.locator("#tab-compare").get_by_label("static").first
+    expect(side_a).to_be_checked()
+    expect(_number(page, "tab-compare", "max_num_seqs", 0)).to_have_value("4")
+    expect(_number(page, "tab-compare", "max_num_seqs", 1)).to_have_value("4")
+    # Fields the distribution does not use are hidden (uniform lengths: no "mean").
+    expect(_number(page, "tab-compare", "tokens (fixed) / mean")).to_be_hidden()
+
+
+def test_stop_in_the_load_test_reports_the_aborted_requests(page):
+    open_tab(page, "Load test")
+    tab = page.locator("#tab-loadtest")
+    set_number(page, "tab-loadtest", "Requests", 24)
+    tab.get_by_label("all at once").check()
+    set_number(page, "tab-loadtest", "Max concurrent (0 = any)", 1)  # one at a time
+    page.click("#loadtest-run")
+    wait_text(page, "#loadtest-progress", r"\b[1-9]\d* / 24 requests done", 120)
+    tab.get_by_role("button", name="Stop").click()
+    status = wait_text(page, "#loadtest-status", r"Done in", 60)
+    counts = re.search(r"(\d+) succeeded, (\d+) failed, (\d+) aborted", status)
+    assert counts, status
+    succeeded, failed, aborted = map(int, counts.groups())
+    assert aborted > 0 and succeeded + failed + aborted == 24, status
+
+
+def test_the_kv_memory_fraction_never_raises(page):
+    open_tab(page, "KV calculator")
+    wait_text(page, "#kv-formula", r"17,179,869,184", 30)
+    box = page.locator("#kv-fraction input")
+    for typed, shown in (("0.3", r"30% of 80 GB"), ("1.5", r"Check the form: memory fraction"),
+                         ("0", r"Check the form: memory fraction"), ("0.95", r"95% of 80 GB")):  # fmt: skip
+        box.fill(typed)
+        box.press("Enter")
+        wait_text(page, "#kv-formula", shown, 20)
+        # No red "Error" badge on any output, no error toast.
+        assert page.locator("#tab-kv .error").count() == 0
+        assert page.locator(".toast-body.error").count() == 0
