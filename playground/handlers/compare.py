@@ -106,14 +106,15 @@ class BackgroundCompare:
         return progress_html(done, self.total_requests, elapsed, self.phase)
 
     def final_progress(self) -> str:
-        """The bar once both sides ran: the seconds are the runs' own, summed."""
+        """The full bar once both sides ran, counted per run (every run sent the same
+        requests); the seconds are the runs' own, summed."""
         elapsed = sum(r.duration_s for o in self.outcomes for r in o.runs)
-        total = self.total_requests
-        note = f"done ({len(self.sides)} sides x {self.repeats} runs)"
         if self._stopped:
             done = sum(len(r.per_request) for o in self.outcomes for r in o.runs)
-            return progress_html(done, total, elapsed, "stopped")
-        return progress_html(total, total, elapsed, note)
+            return progress_html(done, self.total_requests, elapsed, "stopped")
+        n = len(self.requests)
+        note = f"done: each of the {len(self.sides)} sides ran them {self.repeats} time(s)"
+        return progress_html(n, n, elapsed, note)
 
     def running_status(self) -> str:
         """The status line while the compare runs (never the previous run's result)."""
