@@ -240,7 +240,7 @@ def test_remeasure_keeps_the_best_of_repeats_and_never_silently_lowers_the_roof(
     tmp_path, monkeypatch
 ):
     from engine.telemetry import ceilings as ceilings_module
-    from playground.handlers.roofline import CeilingsProvider, remeasure_note
+    from playground.handlers.roofline import CeilingsProvider, remeasure_note, roofline_view
 
     monkeypatch.setenv("PLAYGROUND_CACHE_DIR", str(tmp_path))
     ceilings_module.clear_memory_cache()
@@ -264,6 +264,8 @@ def test_remeasure_keeps_the_best_of_repeats_and_never_silently_lowers_the_roof(
     assert ceilings_module.get_ceilings("cpu").bandwidth_bytes_per_s == 16.6e9  # and cached
     note = remeasure_note(lower, kept, best, "bfloat16")
     assert "not kept" in note and "181 GFLOP/s" in note and "925 GFLOP/s" in note
+    _, text = roofline_view(provider, "this device (measured)", "bfloat16", [])
+    assert text.startswith(note)  # every redraw says which roof is shown and why
     ceilings_module.clear_memory_cache()
 
 

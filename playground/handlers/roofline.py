@@ -180,7 +180,10 @@ def roofline_view(
     fig = roofline_figure(ceilings, dtype, steps)
     if not any(s.flops > 0 and s.duration_s > 0 for s in steps):
         _note(fig, "No engine steps yet: send a message in Chat or run a load test.")
-    return fig, caption(ceilings, dtype, steps, provider.device)
+    text = caption(ceilings, dtype, steps, provider.device)
+    if choice == MEASURED and provider.latest is not None:  # said on every redraw, not once
+        text = f"{remeasure_note(provider.latest, False, ceilings, dtype)}\n\n{text}"
+    return fig, text
 
 
 REMOTE_DTYPE = "bfloat16"  # a remote server's weight dtype is unknown: bf16, the usual one

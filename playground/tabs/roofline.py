@@ -104,7 +104,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         except RuntimeError as e:
             yield skip, f"**The measurement failed:** {e}", skip
             return
-        note = remeasure_note(new, kept, ctx.ceilings.measured(), dtype)
+        # A lower roof that was not kept is named by roofline_view itself, on every redraw.
+        note = remeasure_note(new, kept, ctx.ceilings.measured(), dtype) if kept else ""
         if not kept:
             gr.Warning("Re-measured roof is lower than the cached one: kept the better one.")
         yield draw(choice, last_num_steps, note=note)
