@@ -1,5 +1,11 @@
 """LLMEngine: add_request / abort / step over the scheduler, the model runner and telemetry.
 
+The engine validates and tokenizes requests, then wires the parts of a step together and owns
+none of their work: the proposer drafts (spec_decode.py), the scheduler picks the work and
+carries the drafts in SchedulerOutput (scheduler.py), the model runner computes it
+(engine/runner), the scheduler appends the tokens, the OutputProcessor turns them into deltas
+(output.py) and the StepRecorder records the step (engine/telemetry/recorder.py).
+
 Single-threaded by design: EngineService (engine/serving/service.py) drives it from one thread, and
 LLM (engine/llm.py) drives it in the caller's thread for offline batches.
 """
