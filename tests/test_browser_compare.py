@@ -38,13 +38,15 @@ def test_switching_presets_sets_every_field_and_resets_the_others(page):
     prefix = _number(page, "tab-compare", "Shared prefix (tokens)")
     requests = _number(page, "tab-compare", "Requests")
     expect(prefix).to_have_value("0")
+    output_max = _number(page, "tab-compare", "max", 1)
+    expect(output_max).to_have_value("48")  # the page opens with the default preset's workload
     _pick(page, "tab-compare", "Preset", PREFIX)
     expect(prefix).to_have_value("192")
     expect(page.locator("#compare-headline")).to_contain_text("Prompt tokens computed")
     set_number(page, "tab-compare", "Requests", 99)  # a hand edit, gone with the next preset
     _pick(page, "tab-compare", "Preset", STATIC)
     expect(prefix).to_have_value("0")  # the 192-token prefix does not carry over
-    expect(requests).to_have_value("12")
+    expect(requests).to_have_value("16")
     expect(page.locator("#compare-headline")).to_contain_text("Mean requests per step")
     # The side forms follow: A is static, and both get the preset's 4 slots.
     side_a = page.locator("#tab-compare").get_by_label("static").first

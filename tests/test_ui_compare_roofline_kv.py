@@ -66,7 +66,7 @@ def test_every_preset_sets_every_field_and_resets_the_others():
         if name != prefix:  # the 192-token prefix does not carry over to the next preset
             assert form["workload"]["prefix_len"] == 0
     static = preset_form("static vs continuous batching")["workload"]
-    assert static["output_low"] == 2 and static["num_prompts"] == 12
+    assert static["output_low"] == 2 and static["num_prompts"] == 16
     assert preset_form("contiguous vs paged KV")["workload"]["output_low"] == 4  # reset
 
 

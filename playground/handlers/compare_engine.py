@@ -98,10 +98,10 @@ class PresetDefaults:
 PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # Output lengths 2..48 over 4 slots: a static batch waits for its longest request, so its
     # slots idle. Measured on the 2-core CPU (16 requests of 2..64): 2.69 vs 3.53 requests per
-    # step (x1.31; with 8 slots only x1.22); 12 of 2..48 keep two runs per side short. Counted, not timed, so stable; the tok/s ratio moved from x1.07 to
+    # step (x1.31; with 8 slots only x1.22); 2..48 keeps two runs per side short. Counted, not timed, so stable; the tok/s ratio moved from x1.07 to
     # x1.95 between runs on the busy machine, which is why it is not the headline.
     "static vs continuous batching": PresetDefaults(
-        "Mean requests per step", {"num_prompts": 12, "output_low": 2, "output_high": 48}
+        "Mean requests per step", {"output_low": 2, "output_high": 48}
     ),
     # Contiguous reserves max_model_len (512 tokens = 32 blocks) per request up front.
     "contiguous vs paged KV": PresetDefaults("Peak KV blocks held", {"num_prompts": 8}),

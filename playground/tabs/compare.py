@@ -110,7 +110,7 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             ui.side_a = _side_form("A", a)
         with gr.Column():
             ui.side_b = _side_form("B", b)
-        ui.form = workload_column()
+        ui.form = workload_column(form["workload"])  # the page opens as the preset sets it
     run_controls(ui, "Pick a preset and press **Run compare**.", "Side by side", 900)
     ui.cdfs = gr.Plot(show_label=False, label="Latency CDFs, A vs B")
     with gr.Row():
@@ -129,11 +129,11 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
 # --- what the remote Compare tab (compare_remote.py) shares with this one ---------------------
 
 
-def workload_column() -> dict:
-    """The workload form, in the column right of the two sides."""
+def workload_column(defaults: dict[str, Any] | None = None) -> dict:
+    """The workload form, in the column right of the two sides (defaults: a preset's)."""
     with gr.Column(scale=2):
         gr.Markdown("### Workload (both sides)")
-        return workload_form(DEFAULT_COMPARE_WORKLOAD, WORKLOAD_FIELDS)
+        return workload_form(defaults or DEFAULT_COMPARE_WORKLOAD, WORKLOAD_FIELDS)
 
 
 def run_controls(ui: SimpleNamespace, status: str, results_label: str, max_height: int) -> None:
