@@ -1,7 +1,9 @@
 """Soak: many mixed requests against one in-process engine, with random aborts and client
 disconnects, at a fixed concurrency. Prints JSON: sent/ok/failed/aborted/disconnected, the
 KV blocks still held at the end (must be 0), resident memory (RSS) after every
---rss-every requests (must level off, issue 11 item 5), and p50/p99 end-to-end latency.
+--rss-every requests (must level off, issue 11 item 5) with glibc's malloc'd bytes in use at
+the same points (RSS growth that is not in them is freed memory malloc keeps, not a leak),
+and p50/p99 end-to-end latency. docs/serving.md, "Memory", explains the numbers.
 
 Most requests go straight to EngineService (as the UI does); --http-fraction of them go
 through the OpenAI server (engine/serving/server.py) on 127.0.0.1 as streaming completions,
@@ -13,6 +15,7 @@ and some of those clients hang up after the first chunks (the server must abort 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import random
 import time
@@ -23,6 +26,7 @@ import httpx
 from benchmarks.common import bench_parser, config_report, emit
 from engine.cli import config_from_args
 from engine.request import SamplingParams
+from engine.runner.onednn_cache import CACHE_CAPACITY_ENV_VARS
 from engine.serving.service import EngineService, wait_until_idle
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -34,6 +38,27 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * _PAGE_BYTES
 
 
+_MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")  # fmt: skip
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS]
+
+
+def malloc_in_use_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (glibc mallinfo2: uordblks + hblkhd, all
+    arenas); None where that is not glibc >= 2.33. Python's small objects live in pymalloc's
+    own arenas and are not counted; tensors and native caches are."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 @dataclass
 class Tally:
     sent: int = 0
@@ -43,6 +68,7 @@ class Tally:
     disconnected: int = 0  # an HTTP client hung up mid-stream
     latencies_s: list[float] = field(default_factory=list)  # ok requests, end to end
     rss_mb: dict[int, float] = field(default_factory=dict)  # requests done -> RSS (MiB)
+    malloc_mb: dict[int, float] = field(default_factory=dict)  # requests done -> in use (MiB)
     http_errors: list[str] = field(default_factory=list)  # transport errors, first few kept
     done: int = 0
 
@@ -118,6 +144,9 @@ async def _soak(svc: EngineService, url: str | None, args) -> Tally:
             tally.done += 1
             if tally.done % args.rss_every == 0:
                 tally.rss_mb[tally.done] = round(rss_bytes() / 2**20, 1)
+                in_use = malloc_in_use_bytes()
+                if in_use is not None:
+                    tally.malloc_mb[tally.done] = round(in_use / 2**20, 1)
 
     async with httpx.AsyncClient(timeout=300) as client:
         await asyncio.gather(*(one(client) for _ in range(args.num_requests)))
@@ -138,7 +167,7 @@ def run(args) -> dict:
     config = config_from_args(args)
     svc = EngineService(config)
     server = BackgroundServer(create_app(svc)).start() if args.http_fraction > 0 else None
-    rss_start = rss_bytes()
+    rss_start, malloc_start = rss_bytes(), malloc_in_use_bytes()
     start = time.perf_counter()
     try:
         tally = asyncio.run(_soak(svc, server.url if server else None, args))
@@ -167,6 +196,10 @@ def run(args) -> dict:
         "blocks_held_at_end": held,
         "rss_mb_start": round(rss_start / 2**20, 1),
         "rss_mb_by_requests": tally.rss_mb,
+        "malloc_mb_start": None if malloc_start is None else round(malloc_start / 2**20, 1),
+        "malloc_mb_by_requests": tally.malloc_mb,
+        # oneDNN's per-shape caches, the bound on native growth (engine/runner/onednn_cache.py)
+        "onednn_cache_capacity": {name: os.environ.get(name) for name in CACHE_CAPACITY_ENV_VARS},
         "latency_p50_s": _percentile(tally.latencies_s, 0.50),
         "latency_p99_s": _percentile(tally.latencies_s, 0.99),
     }
