@@ -165,20 +165,20 @@ def test_running_requests_share_blocks_in_the_block_map(cached_llm):
     engine = cached_llm.engine
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     engine.add_request(SYSTEM + "first", params, request_id="share-a")
-    first = engine.core.scheduler.waiting[-1]
+    first = engine.scheduler.waiting[-1]
     while first.num_computed_tokens < first.num_prompt_tokens:  # until its prompt is cached
         engine.step()
     engine.add_request(SYSTEM + "second", params, request_id="share-b")
     engine.step()
     snap = engine.block_snapshot()
-    table_a = engine.core.block_manager.block_table("share-a")
-    table_b = engine.core.block_manager.block_table("share-b")
+    table_a = engine.block_manager.block_table("share-a")
+    table_b = engine.block_manager.block_table("share-b")
     shared = set(table_a) & set(table_b)
     assert shared and all(snap.ref_counts[b] == 2 for b in shared)
     while engine.has_unfinished():
         engine.step()
-    engine.core.block_manager.check_invariants()
-    assert engine.telemetry.stats().num_free_kv_blocks == engine.core.block_manager.num_blocks
+    engine.block_manager.check_invariants()
+    assert engine.stats().num_free_kv_blocks == engine.block_manager.num_blocks
 
 
 @pytest.mark.slow
