@@ -26,4 +26,7 @@ def test_soak_tiny_run_accounts_for_every_request_and_frees_every_block(tmp_path
     assert report["aborted"] + report["disconnected"] > 0  # the mix really aborts some
     assert report["blocks_held_at_end"] == 0 and report["idle_at_end"]
     assert sorted(int(k) for k in report["rss_mb_by_requests"]) == [20, 40, 60]
+    assert sorted(int(k) for k in report["malloc_mb_by_requests"]) == [20, 40, 60]  # glibc
+    # The bound on native growth is in effect (set by EngineService unless the env had it).
+    assert all(report["onednn_cache_capacity"].values())
     assert report["latency_p50_s"] <= report["latency_p99_s"]
