@@ -107,7 +107,7 @@ def test_chat_body_sends_the_form_fields():
     body = chat_body("m", [{"role": "user", "content": "hi"}], sampling_params(0.5, 0.9, 5, 32, 7))
     assert body["top_k"] == 5 and body["seed"] == 7 and body["max_tokens"] == 32
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
-    off = chat_body("m", [], sampling_params(0.5, 0.9, 0, 32, -1))
+    off = chat_body("m", [], sampling_params(0.5, 0.9, -1, 32, -1))
     assert "top_k" not in off and "seed" not in off
 
 
@@ -115,7 +115,7 @@ def test_remote_chat_streams_with_client_measured_metrics(remote):
     async def chat():
         active = ActiveRequests()
         backend = RemoteChat(remote, active)
-        params = sampling_params(0.0, 1.0, 0, 12, 1)
+        params = sampling_params(0.0, 1.0, -1, 12, 1)
         replies, handles = [], []
         msgs = [{"role": "user", "content": "Count to ten."}]
         async for reply in backend.replies(msgs, params, "s1"):
@@ -135,7 +135,7 @@ def test_remote_chat_streams_with_client_measured_metrics(remote):
 def test_stop_closes_the_stream_and_the_server_frees_its_blocks(remote, service):
     async def chat_and_stop():
         backend = RemoteChat(remote, ActiveRequests())
-        params = sampling_params(0.0, 1.0, 0, 400, 1)
+        params = sampling_params(0.0, 1.0, -1, 400, 1)
         last = None
         async for reply in backend.replies([{"role": "user", "content": LONG}], params, "s"):
             last = reply
@@ -155,12 +155,12 @@ def test_stop_closes_the_stream_and_the_server_frees_its_blocks(remote, service)
 def test_app_chat_streams_and_stop_frees_the_servers_blocks(app, service):
     _, client = app
     chatbot, message, status = client.predict(
-        "Say hello.", "Be brief.", 0.0, 1.0, 0, 8, 1, api_name="/chat"
+        "Say hello.", "Be brief.", 0.0, 1.0, -1, 8, 1, api_name="/chat"
     )
     reply = chatbot[-1]["content"][0]["text"]
     assert chatbot[-1]["role"] == "assistant" and message == "" and status == ""
     assert "TTFT" in reply and "measured by the client" in reply
-    job = client.submit(LONG, "", 0.0, 1.0, 0, 400, 1, api_name="/chat")
+    job = client.submit(LONG, "", 0.0, 1.0, -1, 400, 1, api_name="/chat")
     _wait_running(service)
     time.sleep(0.3)
     assert "closed the stream" in client.predict(api_name="/stop_chat")

@@ -10,6 +10,7 @@ import gradio as gr
 from playground.context import AppContext
 from playground.figures.engine import DEFAULT_WINDOW, TIMELINE_WINDOWS_S
 from playground.handlers.live import live_view
+from playground.tabs.plot_stream import PlotStream
 
 REFRESH_S = 1.0
 
@@ -23,7 +24,7 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
         with gr.Column(scale=1, min_width=240):
             ui.gauge = gr.Plot(show_label=False, label="KV usage", elem_id="kv-gauge")
             with gr.Row():
-                ui.refresh = gr.Button("Refresh now", size="sm")
+                ui.refresh = gr.Button("Refresh now", size="sm", elem_id="live-refresh")
                 ui.auto = gr.Checkbox(True, label="Auto-refresh (1 s)")
             gr.Markdown(
                 "Each cell is one KV block of the pool (on a big pool, a run of blocks: the "
@@ -48,35 +49,46 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     )
     ui.timer = gr.Timer(REFRESH_S, active=False)
     ui.signature = gr.State(None)
+    ui.stream = PlotStream("live-refresh")
     return ui
 
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
     outputs = [ui.summary, ui.block_map, ui.gauge, ui.queue, ui.timeline, ui.signature]
+    # A timer tick sends its plots through the stream's payload instead (plot_stream.py).
+    tick_outputs = [ui.summary, ui.queue, ui.stream.payload, ui.signature]
 
-    def refresh(last_signature, window=DEFAULT_WINDOW, auto=True, force=False):
-        if not auto and not force:
-            return [gr.skip()] * len(outputs)
+    def view_of(last_signature, window):
         window_s = TIMELINE_WINDOWS_S.get(window, TIMELINE_WINDOWS_S[DEFAULT_WINDOW])
-        sig, view = live_view(ctx.service, window_s, None if force else last_signature)
+        return live_view(ctx.service, window_s, last_signature)
+
+    def refresh_now(last_signature, window=DEFAULT_WINDOW):
+        sig, view = view_of(None, window)
         views = [view.summary_md, view.block_map, view.gauge, view.queue_html, view.timeline]
-        # None: unchanged since the last tick, so nothing is sent for it.
         return [gr.skip() if v is None else v for v in views] + [sig]
 
-    def refresh_now(last_signature, window):
-        return refresh(last_signature, window, force=True)
+    def tick(last_signature, window=DEFAULT_WINDOW, auto=True):
+        if not auto:
+            return [gr.skip(), gr.skip(), "", gr.skip()]
+        sig, view = view_of(last_signature, window)
+        # None: unchanged since the last tick, so nothing is sent for it.
+        text = [gr.skip() if v is None else v for v in (view.summary_md, view.queue_html)]
+        figures = {"block-map": view.block_map, "kv-gauge": view.gauge,
+                   "batch-timeline": view.timeline}  # fmt: skip
+        return [*text, ui.stream.encode(figures), sig]
 
     # One live group: timers of every open browser tab share a few workers, and a tick that
     # finds the previous one still queued is dropped rather than piled up.
     live = {"concurrency_limit": 4, "concurrency_id": "live", "show_progress": "hidden"}
-    ui.timer.tick(
-        refresh,
+    ticked = ui.timer.tick(
+        tick,
         [ui.signature, ui.window, ui.auto],
-        outputs,
+        tick_outputs,
         trigger_mode="once",
         api_visibility="undocumented",
         **live,
     )
+    ui.stream.attach(ticked)
     now = [ui.signature, ui.window]
     ui.refresh.click(refresh_now, now, outputs, api_name="live_refresh", **live)
     ui.tab.select(refresh_now, now, outputs, api_visibility="private", **live)

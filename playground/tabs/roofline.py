@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import gradio as gr
+import plotly.graph_objects as go
 
 from playground.context import AppContext
 from playground.handlers.roofline import (
@@ -20,6 +21,7 @@ from playground.handlers.roofline import (
     roof_choices,
     roofline_view,
 )
+from playground.tabs.plot_stream import PlotStream
 
 REFRESH_S = 2.0
 
@@ -30,7 +32,7 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     ui = SimpleNamespace()
     with gr.Row():
         ui.roof = gr.Dropdown(roof_choices(), value=MEASURED, label="Roof", scale=2)
-        ui.refresh = gr.Button("Refresh points", scale=1)
+        ui.refresh = gr.Button("Refresh points", scale=1, elem_id="roofline-refresh")
         ui.remeasure = gr.Button("Re-measure this device", scale=1)
         ui.auto = gr.Checkbox(True, label="Auto-refresh (2 s)", scale=1)
     ui.figure = gr.Plot(show_label=False, label="Roofline", elem_id="roofline-plot")
@@ -41,6 +43,7 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     )
     ui.timer = gr.Timer(REFRESH_S, active=False)
     ui.num_steps = gr.State(None)
+    ui.stream = PlotStream("roofline-refresh")
     return ui
 
 
@@ -89,7 +92,10 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         return fig, (f"{note}\n\n{caption}" if note else caption), stats.num_steps_total
 
     def tick(choice, last_num_steps, auto):
-        return draw(choice, last_num_steps, auto, force=False)
+        """The new points, redrawn in place in the browser (plot_stream.py says why)."""
+        fig, caption, num_steps = draw(choice, last_num_steps, auto, force=False)
+        figure = fig if isinstance(fig, go.Figure) else None  # else skipped: unchanged
+        return caption, ui.stream.encode({"roofline-plot": figure}), num_steps
 
     async def remeasure(choice, last_num_steps, progress=gr.Progress()):
         """Best of MEASURE_REPEATS runs, with progress; the caption says what was kept."""
@@ -122,11 +128,12 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         **{**common, "show_progress": "full"},
     )
     ui.tab.select(draw, [ui.roof, ui.num_steps], outputs, api_visibility="private", **common)
-    ui.timer.tick(
+    ticked = ui.timer.tick(
         tick,
         [ui.roof, ui.num_steps, ui.auto],
-        outputs,
+        [ui.caption, ui.stream.payload, ui.num_steps],
         trigger_mode="once",
         api_visibility="undocumented",
         **{**common, "show_progress": "hidden"},
     )
+    ui.stream.attach(ticked)
