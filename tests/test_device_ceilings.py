@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
+import re
 
 import pytest
 
@@ -91,10 +91,9 @@ def test_dict_round_trip():
 
 
 def test_measure_and_cache_on_cpu(cache_dir, monkeypatch):
-    t0 = time.perf_counter()
     first = get_ceilings("cpu")
-    assert time.perf_counter() - t0 < 10.0
     assert first.measured
+    assert re.search(r"measured on cpu \d{4}-\d\d-\d\d \d\d:\d\d UTC", first.source), first.source
     assert first.bandwidth_bytes_per_s > 0
     assert set(first.peak_flops_per_s) == {"float32", "bfloat16", "float16"}
     assert all(v > 0 for v in first.peak_flops_per_s.values())
@@ -107,9 +106,7 @@ def test_measure_and_cache_on_cpu(cache_dir, monkeypatch):
         raise AssertionError("should have come from a cache")
 
     monkeypatch.setattr(dc, "measure_ceilings", no_measuring)
-    t0 = time.perf_counter()
     assert get_ceilings("cpu") is first  # in-process cache
-    assert time.perf_counter() - t0 < 0.5
     dc.clear_memory_cache()
     assert get_ceilings("cpu") == first  # from the JSON file
 

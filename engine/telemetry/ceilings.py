@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -239,8 +240,8 @@ def measure_ceilings(device: str = "cpu", dtypes: Sequence[str] = DTYPES) -> Dev
         bandwidth_bytes_per_s=bandwidth,
         measured=True,
         source=(
-            f"measured on {device}: tensor copy (read + write) and square matmuls, best of "
-            f"repeats, {time.perf_counter() - t0:.1f} s"
+            f"measured on {device} {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: tensor copy (read + "
+            f"write) and square matmuls, best of repeats, {time.perf_counter() - t0:.1f} s"
         ),
     )
 
