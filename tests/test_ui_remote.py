@@ -218,10 +218,15 @@ def test_app_compare_two_servers(app, server):
                 output_kind="fixed", output_mean=3, output_low=1, output_high=3, output_std=1,
                 prefix_len=8)  # fmt: skip
     values = [work[k] for k in COMPARE_FIELDS]
-    _, status, *_ = client.predict("", "", "", *values, api_name="/compare")
+    _, status, *_ = client.predict("", "", "", 1, *values, api_name="/compare")
     assert "Not started" in status and "B base URL" in status
-    progress, status, table, _, _ = client.predict(server.url, "", "", *values, api_name="/compare")
+    _, status, *_ = client.predict(server.url, "", "", 6, *values, api_name="/compare")
+    assert "Not started" in status and "runs per side: at most 5" in status
+    progress, status, table, _, _ = client.predict(
+        server.url, "", "", 2, *values, api_name="/compare"
+    )
     rows = {r[0]: r for r in table["data"]}
     assert rows["Successful requests"][1:3] == ["3", "3"], status
     assert "Engine steps" not in rows and "Peak KV blocks held" not in rows
-    assert "Done" in status and "3 / 3 requests done" in progress
+    assert "Done" in status and "2 run(s) per side" in status, status
+    assert "3 / 3 requests done" in progress and "ran them 2 time(s)" in progress, progress

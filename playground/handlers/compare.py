@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from playground.handlers.loadtest import BackgroundRun, progress_html
+from playground.handlers.loadtest import BackgroundRun, _whole, progress_html
 from playground.loadgen import GenRequest, LoadTestResult, Target, WorkloadSpec
 
 if TYPE_CHECKING:
@@ -207,6 +207,19 @@ COMPARE_HEADERS = ["metric", "A", "B", "B / A", "better", "noise band"]
 # either side's own spread over its repeats when that is wider: a shared 2-core CPU moves
 # timings by a few percent from run to run.
 NOISE_FRACTION = 0.05
+MAX_RUNS_PER_SIDE = 5  # each run repeats the whole workload on both sides
+
+
+def runs_per_side(value: Any) -> int:
+    """The form's "runs per side": a whole number in 1..MAX_RUNS_PER_SIDE (ValueError)."""
+    runs = _whole("runs per side", value)
+    if runs > MAX_RUNS_PER_SIDE:
+        raise ValueError(
+            f"runs per side: at most {MAX_RUNS_PER_SIDE} (each run repeats the whole workload)"
+        )
+    return runs
+
+
 HEADLINE_MARK = "★ "
 NOISE_NOTE = (
     f"'better' marks a side only when A and B differ by more than {NOISE_FRACTION:.0%} and by "

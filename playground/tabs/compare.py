@@ -26,6 +26,7 @@ from playground.handlers.compare import (
     BackgroundCompare,
     SideOutcome,
     compare_rows,
+    runs_per_side,
 )
 from playground.handlers.compare_engine import (
     BLOCK_SIZES,
@@ -39,7 +40,7 @@ from playground.handlers.compare_engine import (
     side_config,
     side_label,
 )
-from playground.handlers.loadtest import LENGTH_FIELDS, _whole, progress_html, spec_from_form
+from playground.handlers.loadtest import LENGTH_FIELDS, progress_html, spec_from_form
 from playground.loadgen import build_requests
 from playground.tabs.benchmark import BENCHMARK_QUEUE, stop_handler
 from playground.tabs.workload_form import workload_form
@@ -263,9 +264,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         side_b = dict(zip(SIDE_FIELDS, values[n : 2 * n], strict=True))
         workload = dict(zip(names, values[2 * n :], strict=True))
         try:
-            num_repeats = _whole("runs per side", repeats)
-            if num_repeats > 5:
-                raise ValueError("runs per side: at most 5 (each run repeats the whole workload)")
+            num_repeats = runs_per_side(repeats)
             spec = spec_from_form(workload, int(max_model_len or 0) or None)
             base = ctx.service.config
             cfg_a = side_config(base, side_a, kv_budget, max_model_len)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.handlers.compare import BackgroundCompare
+from playground.handlers.compare import BackgroundCompare, runs_per_side
 from playground.handlers.compare_remote import (
     RemoteSide,
     caching_markdown,
@@ -53,6 +53,9 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             )
             ui.b_model = gr.Textbox(label="Model (blank: the first of its /v1/models)")
             ui.b_key = gr.Textbox(label="API key (blank: none)", type="password")
+            ui.repeats = gr.Number(
+                1, label="Runs per side (spread = noise)", precision=0, elem_id="compare-repeats"
+            )
         ui.form = workload_column()
     run_controls(
         ui,
@@ -85,10 +88,11 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         notes = caching_markdown(sides) + warning + f"\n\n**Prompts:** {prompts.source}."
         return spec, sides, requests, notes
 
-    async def run_compare(b_url, b_model, b_key, *values):
+    async def run_compare(b_url, b_model, b_key, repeats, *values):
         skip = gr.skip()
         workload = dict(zip(names, values, strict=True))
         try:
+            num_repeats = runs_per_side(repeats)
             spec, sides, requests, notes = await asyncio.to_thread(
                 prepare, b_url, b_model, b_key, workload
             )
@@ -96,15 +100,16 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             gr.Warning(str(e))
             yield skip, f"**Not started:** {e}", skip, skip, skip
             return
-        cmp = BackgroundCompare(spec, sides, requests).start()
+        cmp = BackgroundCompare(spec, sides, requests, num_repeats).start()
         async with aclosing(follow(cmp, current, len(outputs))) as updates:
             async for update in updates:
                 yield update
         first, second = cmp.outcomes
         status = (
             (
-                f"**Done.** {first.label}; {second.label}. Ratios are B / A; 'better' says which "
-                "side wins on that row. Latencies are measured by the client."
+                f"**Done.** {num_repeats} run(s) per side. {first.label}; {second.label}. Ratios "
+                "are B / A; 'better' names the side that wins beyond the noise band, '≈' a "
+                "difference within it. Latencies are measured by the client."
             )
             + notes
             + cmp.problems()
@@ -114,7 +119,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         )
         yield cmp.final_progress(), status, remote_compare_rows(first, second), cdfs, rate
 
-    inputs = [ui.b_url, ui.b_model, ui.b_key, *ui.form.values()]
+    inputs = [ui.b_url, ui.b_model, ui.b_key, ui.repeats, *ui.form.values()]
     outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate]
     ui.run.click(run_compare, inputs, outputs, api_name="compare", **BENCHMARK_QUEUE)
     stop = stop_compare(current)
