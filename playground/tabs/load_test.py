@@ -43,10 +43,11 @@ REMOTE_INTRO = (
     "token-id prompts (tokenizer: {tokenizer}). Every number is measured by the client; the "
     "server's queues are not visible from here.\n\n**Caching:** {caching}."
 )
-# Line breaks: a Plotly annotation does not wrap, and half a row is narrow (issue 18).
+# Short lines: a Plotly annotation does not wrap, and the panel is ~230 px wide at 1400 px
+# (checked in a screenshot: two long lines clipped at the right edge).
 NO_REMOTE_QUEUES = (
-    "Running / waiting queues are our engine's own telemetry:<br>"
-    "a remote OpenAI server does not expose them."
+    "Running / waiting queues<br>are our engine's own telemetry:<br>"
+    "a remote OpenAI server<br>does not expose them."
 )
 ENGINE_GANTT = "Per-request timeline: queue, prefill, decode"
 REMOTE_GANTT = "Per-request timeline (client): send → first token → end"
