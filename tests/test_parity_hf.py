@@ -8,6 +8,8 @@ import torch
 
 from engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # > 5 s: `make test-fast` leaves it out
+
 MAX_NEW_TOKENS = 24
 
 PROMPTS = [

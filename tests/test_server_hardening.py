@@ -519,6 +519,7 @@ def fuzz_server():
     svc.shutdown()
 
 
+@pytest.mark.slow  # 150 examples over HTTP
 @settings(
     max_examples=150, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -171,6 +171,7 @@ def test_bad_random_model_override(override):
         LLM(model=f"random:tiny,{override}")
 
 
+@pytest.mark.slow  # a subprocess per entry point
 @pytest.mark.parametrize("module", ["engine.serving.server", "app"])
 def test_bad_model_path_is_one_error_line(module, tmp_path):
     """A bad --model prints `error: ...` and exits 2, without a traceback."""
