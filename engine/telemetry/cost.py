@@ -215,8 +215,11 @@ def kv_cache_bytes(
 ) -> int:
     """Bytes of K and V for batch_size requests of num_tokens tokens:
     2 (K, V) x layers x kv_heads x head_dim x tokens x batch x bytes.
-    The one KV-size formula: the model runner's KV plan, the cost model and the KV calculator
-    all call it."""
+    The model-level KV-size formula: the cost model and the KV calculator call it. The model
+    runner sizes its pool from the attention backend's own cache layout instead (a backend may
+    pad or, with a quantized KV cache, store scales beside the blocks);
+    tests/test_ui_handlers.py::test_engine_pool_matches_the_formula checks the two agree for
+    the 16-bit layouts."""
     return int(
         2 * num_layers * num_kv_heads * head_dim * num_tokens * batch_size * bytes_per_element
     )
