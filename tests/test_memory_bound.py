@@ -1,5 +1,6 @@
-"""The bound on native memory growth (issue 11, item 5) is wired: an EngineService caps
-oneDNN's per-shape caches before its first forward pass, and a user's own setting wins."""
+"""The bound on native memory growth (issue 11, item 5) is wired: every engine's model runner
+(the service's and the offline LLM's) caps oneDNN's per-shape caches before its first forward
+pass, and a user's own setting wins."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 
 import pytest
 
+from engine import LLM
 from engine.config import EngineConfig
 from engine.runner.onednn_cache import (
     CACHE_CAPACITY_ENV_VARS,
@@ -43,17 +45,24 @@ def test_zero_capacity_is_refused():
         bound_onednn_caches(0)
 
 
-def test_engine_service_caps_the_caches_before_the_engine_runs(no_cache_env, monkeypatch):
+@pytest.mark.parametrize("entry", ["service", "llm"])
+def test_every_engine_caps_the_caches_before_its_runner_builds_anything(
+    entry, no_cache_env, monkeypatch
+):
+    """The service's engine and the offline LLM's alike: the runner sets the caps first."""
+    import engine.runner.model_runner as runner_module
+
     seen: list[dict[str, str | None]] = []
-    import engine.serving.service as service_module
+    real_resolve_device = runner_module.resolve_device
 
-    real_engine = service_module.LLMEngine
-
-    def engine_spy(*args, **kwargs):  # the env as the engine's first forward pass will see it
+    def resolve_device_spy(*args, **kwargs):  # the runner's first step after the bound
         seen.append({name: os.environ.get(name) for name in CACHE_CAPACITY_ENV_VARS})
-        return real_engine(*args, **kwargs)
+        return real_resolve_device(*args, **kwargs)
 
-    monkeypatch.setattr(service_module, "LLMEngine", engine_spy)
-    with EngineService(EngineConfig(**TINY)):
-        pass
-    assert seen == [dict.fromkeys(CACHE_CAPACITY_ENV_VARS, str(DEFAULT_CACHE_CAPACITY))]
+    monkeypatch.setattr(runner_module, "resolve_device", resolve_device_spy)
+    if entry == "service":
+        with EngineService(EngineConfig(**TINY)):
+            pass
+    else:
+        LLM(**TINY)
+    assert seen[:1] == [dict.fromkeys(CACHE_CAPACITY_ENV_VARS, str(DEFAULT_CACHE_CAPACITY))]

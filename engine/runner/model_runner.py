@@ -25,6 +25,7 @@ from engine.runner.attention.base import AttentionBackend, AttentionInputs
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.llama import LlamaForCausalLM
+from engine.runner.onednn_cache import bound_onednn_caches
 from engine.runner.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        # Every engine (the service's and the offline LLM's) sees ever-new matmul shapes: cap
+        # oneDNN's per-shape caches before the first forward pass reads their sizes.
+        bound_onednn_caches()
         self.config = config
         self.arch = source.arch
         self.device = resolve_device(config.device)

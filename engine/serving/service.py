@@ -18,7 +18,6 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockSnapshot
 from engine.core.engine import LLMEngine, Prompt
 from engine.request import Request, RequestOutput, SamplingParams
-from engine.runner.onednn_cache import bound_onednn_caches
 from engine.telemetry.prom_null import new_metrics_registry
 from engine.telemetry.stats import EngineStats, RequestProgress
 
@@ -95,9 +94,6 @@ class RequestStream:
 class EngineService:
     def __init__(self, config: EngineConfig | None = None, **config_fields: object) -> None:
         self.config = config or EngineConfig(**config_fields)  # type: ignore[arg-type]
-        # A long-running service sees ever-new matmul shapes: cap oneDNN's per-shape caches
-        # before the first forward pass reads their sizes (engine/runner/onednn_cache.py).
-        bound_onednn_caches()
         self.engine = LLMEngine(self.config, make_metrics=new_metrics_registry)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
