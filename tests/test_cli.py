@@ -57,6 +57,7 @@ def test_literal_choices_are_the_annotations():
     assert literal_choices()["kv_layout"] == typing.get_args(hints["kv_layout"])
     assert set(literal_choices()) == {
         "device", "dtype", "kv_layout", "batching", "speculative_method", "attention_backend",
+        "quantization",
     }  # fmt: skip
     with pytest.raises(ValueError, match="kv_layout: must be one of paged, contiguous"):
         EngineConfig(kv_layout="ragged")  # type: ignore[arg-type]

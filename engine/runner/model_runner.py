@@ -25,6 +25,7 @@ from engine.runner.attention.base import AttentionBackend, AttentionInputs
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.llama import LlamaForCausalLM
+from engine.runner.quant import QuantSummary, quantize_model
 from engine.runner.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._seed_rng = random.Random(config.seed)
         self.graph_runner: CudaGraphRunner | None = None
+        self.quant_summary: QuantSummary | None = None  # set by _load_model when quantized
         self.model = self._load_model(source)
         self.kv_spec = self._plan_kv_cache()
         # One tensor for all layers: [layers, 2 (K, V), *per-layer layout of the backend].
@@ -141,7 +143,12 @@ class ModelRunner:
         else:
             model.load_hf_weights(iter_safetensors(source.weights_dir))
         model.init_rope()
-        return model.eval().requires_grad_(False)
+        model = model.eval().requires_grad_(False)
+        if self.config.quantization != "none":
+            self.quant_summary = quantize_model(
+                model, self.config.quantization, self.config.quantization_group_size, self.dtype
+            )
+        return model
 
     def _plan_kv_cache(self) -> KVCacheSpec:
         # K and V of every layer, in the backend's own layout.
@@ -363,6 +370,18 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (its RNG) once the request has finished."""
         self._generators.pop(request_id, None)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights take as stored (quantized values, scales and zeros included)."""
+        if self.quant_summary is not None:
+            return self.quant_summary.total_bytes
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def linear_bytes_per_param(self) -> float | None:
+        """Stored bytes per weight of the matmul layers; None when they are not quantized."""
+        return None if self.quant_summary is None else self.quant_summary.linear_bytes_per_param
 
     @property
     def kv_cache_bytes(self) -> int:
