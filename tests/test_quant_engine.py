@@ -101,3 +101,19 @@ def test_weight_bytes_split_quantized_linears_from_16_bit_norms():
     linear = bf16.num_linear_params_per_token  # layers + the (tied) LM head, read once
     assert bf16.weight_bytes == 2.0 * (linear + bf16.norm_params)
     assert int4.weight_bytes == 0.5625 * linear + 2.0 * bf16.norm_params
+
+
+def test_a_cpu_with_another_int4_layout_always_dequantizes(monkeypatch, make_llm):
+    """Where aten packs int4 differently (AVX2 builds), the engine must not hand our bytes to
+    the CPU kernel: every call dequantizes, and greedy output stays that of the same weights."""
+    import engine.runner.quant.apply as apply
+
+    quantized = make_llm(**TINY, quantization="int4", quantization_group_size=32)
+
+    monkeypatch.setattr(apply, "cpu_int4_layout_matches", lambda: False)
+    fallback = LLM(**TINY, quantization="int4", quantization_group_size=32)
+    assert fallback.engine.runner.quant_summary.dequant_min_rows == 0
+    prompts = [[(5 * i + j) % 49152 for j in range(4 + i)] for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in fallback.generate(prompts, params)]
+    assert got == [o.token_ids for o in quantized.generate(prompts, params)]
