@@ -38,3 +38,19 @@ def test_w4a16_gemm_checks_its_inputs():
                        DequantScratch(1, torch.float32, "cpu"), 0)  # fmt: skip
     with pytest.raises(AssertionError, match="multiple of 64"):  # 80 rows: a packed tail
         w4a16_gemm(torch.randn(2, 64), layer.packed, layer.scale_and_zero, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_rows", [1, 64, 300])
+def test_w4a16_gemm_on_cuda_matches_reference(num_rows):
+    """bfloat16 on the GPU (tensor-core tl.dot): 2e-2 of the largest |output|."""
+    gen = torch.Generator().manual_seed(num_rows)
+    w = torch.randn(960, 576, generator=gen)
+    dtype = torch.bfloat16
+    layer = Int4Linear(quantize_int4(w, 64), None, dtype, DequantScratch(1, dtype, "cpu"), 0)
+    x = torch.randn(num_rows, 576, generator=gen).to(dtype)
+    args = (layer.packed.cuda(), layer.scale_and_zero.cuda(), 64)
+    y = w4a16_gemm(x.cuda(), *args).cpu()
+    ref = int4_weight_only_mm_ref(x, layer.packed, layer.scale_and_zero, 64)
+    assert (y.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
