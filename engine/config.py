@@ -15,8 +15,9 @@ KVLayout = Literal["paged", "contiguous"]
 AttentionBackend = Literal["auto", "triton", "torch"]
 SpeculativeMethod = Literal["off", "ngram"]
 # Weight-only quantization of every linear layer (engine/runner/quant): int8 = per-output-channel
-# symmetric (W8A16), int4 = group-wise asymmetric round-to-nearest with zero points.
-Quantization = Literal["none", "int8", "int4"]
+# symmetric (W8A16), int4 = group-wise asymmetric round-to-nearest with zero points, awq = an
+# AutoAWQ GEMM checkpoint folder loaded as it is (its own group size).
+Quantization = Literal["none", "int8", "int4", "awq"]
 
 # int4 group sizes (input features per scale/zero pair) that the CPU kernel takes (32-256) and
 # that divide the hidden sizes of the usual models; the layer's in_features is checked at load.

@@ -61,6 +61,11 @@ def weight_format_text(config: EngineConfig, dtype: str) -> str:
     """The weight format the matmuls read, and what stays 16-bit (engine/runner/quant)."""
     if config.quantization == "none":
         return f"matmul weights {dtype}"
+    if config.quantization == "awq":
+        return (
+            f"matmul weights int4 from an AutoAWQ checkpoint in every decoder linear layer; "
+            f"the embedding, norms, biases and LM head stay {dtype}"
+        )
     if config.quantization == "int8":
         kind = "int8 weight-only (a scale per output channel)"
     else:

@@ -25,7 +25,8 @@ from engine.runner.attention.base import AttentionBackend, AttentionInputs
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.llama import LlamaForCausalLM
-from engine.runner.quant import QuantSummary, quantize_model
+from engine.runner.quant import QuantSummary, load_awq, quantize_model
+from engine.runner.quant.awq import check_awq_config
 from engine.runner.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,18 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.arch, self.max_model_len, self.attn_backend)
         model = model.to_empty(device=self.device).to(self.dtype)
+        is_awq = bool(source.quant_config) and source.quant_config.get("quant_method") == "awq"
+        if self.config.quantization == "awq" or is_awq:
+            if self.config.quantization != "awq":
+                raise ValueError(
+                    f"quantization: {source.name} is an AutoAWQ checkpoint; load it with "
+                    "quantization='awq'"
+                )
+            group_size = check_awq_config(source.quant_config, source.name)
+            tensors = iter_safetensors(source.weights_dir)
+            self.quant_summary = load_awq(model, tensors, group_size, self.dtype)
+            model.init_rope()
+            return model.eval().requires_grad_(False)
         if source.weights_dir is None:
             _init_random_weights(model, seed=self.config.seed)
         else:

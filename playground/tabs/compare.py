@@ -82,7 +82,8 @@ def _side_form(name: str, values: dict) -> dict:
         precision=0,
     )
     parts["quantization"] = gr.Radio(
-        list(literal_choices()["quantization"]),
+        # Not "awq": it needs an AutoAWQ checkpoint as the model, and both sides run the same.
+        [q for q in literal_choices()["quantization"] if q != "awq"],
         value=values["quantization"],
         label="Weights: int8 / int4 weight-only in every linear and the LM head (the "
         "embedding and norms stay 16-bit)",

@@ -9,13 +9,15 @@ a quantized copy and the embedding stays as it was.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine.runner.models.llama import LlamaForCausalLM
-from engine.runner.quant.formats import check_int4_shape, quantize_int4, quantize_int8
+from engine.runner.quant.awq import awq_to_int4
+from engine.runner.quant.formats import Int4Weight, check_int4_shape, quantize_int4, quantize_int8
 from engine.runner.quant.linear import (
     DequantScratch,
     Int4Linear,
@@ -38,8 +40,8 @@ CPU_DEQUANT_MIN_ROWS = {"int8": 64, "int4": 128}
 class QuantSummary:
     """What quantization did to a model's weights (shown in the UI, fed to the cost model)."""
 
-    method: str  # "none", "int8", "int4"
-    group_size: int | None  # int4 only
+    method: str  # "int8", "int4", "awq"
+    group_size: int | None  # int4 and awq
     linear_params: int  # weights of the quantized layers (decoder linears + LM head)
     linear_bytes: int  # their bytes as stored: values + scales + zeros
     other_bytes: int  # everything else (embedding, norms, biases) in the model dtype
@@ -73,17 +75,76 @@ def quantize_model(
     for module, attr, _ in linears:
         lin = getattr(module, attr)
         setattr(module, attr, make(lin.weight, lin.bias))
-    head = make(model.lm_head_weight, None)  # a copy: a tied embedding stays 16-bit
-    model.lm_head = head
+    model.lm_head = make(model.lm_head_weight, None)  # a copy: a tied embedding stays 16-bit
+    return _summary(model, method, group_size, min_rows)
+
+
+def load_awq(
+    model: LlamaForCausalLM,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    group_size: int,
+    dtype: torch.dtype,
+) -> QuantSummary:
+    """Load an AutoAWQ GEMM checkpoint (engine/runner/quant/awq.py): each decoder linear
+    becomes an Int4Linear from its qweight/qzeros/scales (q/k/v and gate/up concatenated
+    along N), everything else (embedding, norms with AWQ's folded scales, biases, an untied
+    LM head) loads as 16-bit tensors. ValueError names a missing or misshapen tensor."""
+    device = model.embed_tokens.weight.device
+    packed: dict[str, dict[str, torch.Tensor]] = {}
+    plain = []
+    for name, tensor in tensors:
+        prefix, _, kind = name.removeprefix("model.").rpartition(".")
+        if kind in _AWQ_TENSORS:
+            packed.setdefault(prefix, {})[kind] = tensor
+        else:
+            plain.append((name, tensor))
+    min_rows = _dequant_min_rows("int4", device)
+    linears = [(i, module, attr) for i, layer in enumerate(model.layers)
+               for module, attr in _layer_linears(layer)]  # fmt: skip
+    largest = max(getattr(m, a).weight.numel() for _, m, a in linears)
+    scratch = DequantScratch(largest, dtype, device)
+    for i, module, attr in linears:
+        where = "self_attn" if attr in ("qkv_proj", "o_proj") else "mlp"
+        parts = [_awq_part(packed, f"layers.{i}.{where}.{p}", group_size, device)
+                 for p in _AWQ_PARTS.get(attr, (attr,))]  # fmt: skip
+        weight = Int4Weight(
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.zeros for p in parts]),
+            group_size,
+        )
+        check_int4_shape(*weight.qweight.shape, group_size, f"layers.{i}.{where}.{attr}")
+        old = getattr(module, attr)
+        bias = None if old.bias is None else torch.zeros_like(old.bias)  # loaded below
+        setattr(module, attr, Int4Linear(weight, bias, dtype, scratch, min_rows))
+    model.load_hf_weights(plain)
+    return _summary(model, "awq", group_size, min_rows)
+
+
+# AutoAWQ's per-projection names of our fused layers, in concatenation order.
+_AWQ_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_AWQ_TENSORS = ("qweight", "qzeros", "scales")
+
+
+def _awq_part(packed, prefix: str, group_size: int, device: torch.device) -> Int4Weight:
+    found = packed.get(prefix, {})
+    for kind in _AWQ_TENSORS:
+        if kind not in found:
+            raise ValueError(f"model: the AWQ checkpoint lacks tensor {prefix}.{kind}")
+    return awq_to_int4(
+        found["qweight"].to(device), found["qzeros"].to(device), found["scales"].to(device),
+        group_size, prefix,
+    )  # fmt: skip
+
+
+def _summary(model: LlamaForCausalLM, method: str, group_size: int, min_rows: int) -> QuantSummary:
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    linear_bytes = sum(m.weight_bytes for m in quantized)
-    other = sum(p.numel() * p.element_size() for p in model.parameters())
     return QuantSummary(
         method=method,
-        group_size=group_size if method == "int4" else None,
+        group_size=None if method == "int8" else group_size,
         linear_params=sum(m.out_features * m.in_features for m in quantized),
-        linear_bytes=linear_bytes,
-        other_bytes=other,
+        linear_bytes=sum(m.weight_bytes for m in quantized),
+        other_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         dequant_min_rows=min_rows,
     )
 
