@@ -45,6 +45,11 @@ FLAG_HELP: dict[str, str] = {
     "num_speculative_tokens": "draft tokens proposed per request and step",
     "prompt_lookup_max": "ngram drafts: longest suffix looked up (tokens)",
     "prompt_lookup_min": "ngram drafts: shortest suffix looked up (tokens)",
+    "quantization": "weight-only: int8 per output channel (W8A16) or int4 round-to-nearest per "
+    "group, every linear layer and the LM head (embeddings and norms stay 16-bit); awq: load "
+    "an AutoAWQ GEMM checkpoint folder (its LM head stays 16-bit)",
+    "quantization_group_size": "int4: input features per scale/zero pair (must divide every "
+    "layer's input size: SmolLM2's 576 takes 32 or 64)",
     "attention_backend": "auto = Triton kernels on CUDA, the torch reference on CPU",
     "enforce_eager": "turn CUDA graphs off",
     "num_threads": "CPU torch threads (default: all cores)",

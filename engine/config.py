@@ -14,6 +14,14 @@ Batching = Literal["continuous", "static"]
 KVLayout = Literal["paged", "contiguous"]
 AttentionBackend = Literal["auto", "triton", "torch"]
 SpeculativeMethod = Literal["off", "ngram"]
+# Weight-only quantization of every linear layer (engine/runner/quant): int8 = per-output-channel
+# symmetric (W8A16), int4 = group-wise asymmetric round-to-nearest with zero points, awq = an
+# AutoAWQ GEMM checkpoint folder loaded as it is (its own group size).
+Quantization = Literal["none", "int8", "int4", "awq"]
+
+# int4 group sizes (input features per scale/zero pair) that the CPU kernel takes (32-256) and
+# that divide the hidden sizes of the usual models; the layer's in_features is checked at load.
+INT4_GROUP_SIZES = (32, 64, 128)
 
 # On CPU the KV cache is sized from a byte budget: 1 GiB holds ~45k tokens of SmolLM2-135M in
 # bfloat16 (30 layers x 3 KV heads x 64 dims x 2 (K,V) x 2 bytes = 23 KiB per token).
@@ -56,6 +64,10 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest suffix looked up (tokens)
     prompt_lookup_min: int = 2  # shortest suffix looked up (tokens)
 
+    # --- weights ---
+    quantization: Quantization = "none"
+    quantization_group_size: int = 64  # int4: input features per scale/zero (32, 64 or 128)
+
     # --- execution ---
     attention_backend: AttentionBackend = "auto"
     enforce_eager: bool = False  # True turns CUDA graphs off
@@ -81,6 +93,13 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model: must be a non-empty model spec")
         _check_positive("block_size", self.block_size)
+        if self.quantization_group_size not in INT4_GROUP_SIZES or isinstance(
+            self.quantization_group_size, bool
+        ):
+            raise ValueError(
+                "quantization_group_size: must be one of "
+                f"{', '.join(map(str, INT4_GROUP_SIZES))}; got {self.quantization_group_size!r}"
+            )
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)

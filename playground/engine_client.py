@@ -38,6 +38,7 @@ class EngineClient(Protocol):
     model_shape: ModelShape  # layers, heads, widths: the roofline and KV calculator
     device: str  # "cpu" | "cuda", resolved
     dtype: str  # "bfloat16", "float32", ...
+    weight_bytes: int  # the weights as stored (quantized ones with their scales and zeros)
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams) -> OutputStream:
         """Enqueue; ValueError names a refused field, RuntimeError: shutting down."""

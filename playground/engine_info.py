@@ -22,6 +22,7 @@ class EngineInfo:
     max_model_len: int  # tokens (resolved from the model when the config says None)
     num_kv_blocks: int  # blocks allocated (sized from memory when the config says None)
     kv_cache_bytes: int  # bytes of the allocated K and V tensors
+    weight_bytes: int  # bytes of the weights as stored (quantized: values + scales + zeros)
 
 
 def engine_info(service: Any) -> EngineInfo:
@@ -35,6 +36,7 @@ def engine_info(service: Any) -> EngineInfo:
         max_model_len=service.max_model_len,
         num_kv_blocks=stats.num_kv_blocks,
         kv_cache_bytes=stats.kv_cache_bytes,
+        weight_bytes=service.weight_bytes,
     )
 
 
@@ -55,12 +57,36 @@ def weights_text(model_spec: str, dtype: str) -> str:
     return f"weights: Hugging Face folder {Path(model_spec).name} loaded as {dtype}"
 
 
+def weight_format_text(config: EngineConfig, dtype: str) -> str:
+    """The weight format the matmuls read, and what stays 16-bit (engine/runner/quant)."""
+    if config.quantization == "none":
+        return f"matmul weights {dtype}"
+    if config.quantization == "awq":
+        return (
+            f"matmul weights int4 from an AutoAWQ checkpoint in every decoder linear layer; "
+            f"the embedding, norms, biases and LM head stay {dtype}"
+        )
+    if config.quantization == "int8":
+        kind = "int8 weight-only (a scale per output channel)"
+    else:
+        kind = (
+            f"int4 weight-only (round-to-nearest, a scale and zero per "
+            f"{config.quantization_group_size} inputs)"
+        )
+    return (
+        f"matmul weights {kind} in every linear layer and the LM head; the embedding, norms "
+        f"and biases stay {dtype}"
+    )
+
+
 def describe(info: EngineInfo) -> str:
     """One line for page headers: model, where its weights come from and their precision,
     device, KV pool, scheduling."""
     c = info.config
     return (
-        f"**{info.model_name}**, {weights_text(c.model, info.dtype)} · on {info.device} · KV pool "
+        f"**{info.model_name}**, {weights_text(c.model, info.dtype)} · "
+        f"{weight_format_text(c, info.dtype)}: {info.weight_bytes / 1e6:,.1f} MB · "
+        f"on {info.device} · KV pool "
         f"{info.num_kv_blocks} blocks x {c.block_size} tokens ({c.kv_layout}, prefix "
         f"caching {'on' if c.enable_prefix_caching else 'off'}) · "
         f"{c.batching} batching, {_speculative(c)}max_num_seqs {c.max_num_seqs}, "

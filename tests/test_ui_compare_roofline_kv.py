@@ -220,7 +220,8 @@ def test_kv_loaded_model_uses_the_engines_kv_element_not_the_form():
     from engine.telemetry.cost import ModelShape
 
     info = SimpleNamespace(model_name="smollm2-135m", max_model_len=1024,
-                           shape=ModelShape.from_arch(MODEL_PRESETS["smollm2-135m"]))  # fmt: skip
+                           shape=ModelShape.from_arch(MODEL_PRESETS["smollm2-135m"]),
+                           config=EngineConfig(), dtype="bfloat16", weight_bytes=269_030_016)  # fmt: skip
     x = _kv(LOADED_MODEL, seq_len=512, batch=1, kv=FP8, info=info)
     assert x.kv_bytes == 2.0  # the engine's bf16 cache, not the leftover fp8 choice
     assert "the loaded engine's own, 2 B" in formula_markdown(x)

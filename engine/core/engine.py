@@ -74,7 +74,12 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_token_ids()
         itemsize = self.runner.dtype.itemsize
-        self.shape = ModelShape.from_arch(arch, itemsize, kv_bytes_per_element=itemsize)
+        self.shape = ModelShape.from_arch(
+            arch,
+            itemsize,
+            kv_bytes_per_element=itemsize,
+            linear_bytes_per_param=self.runner.linear_bytes_per_param,
+        )
         self.metrics_registry = make_metrics(self.model_name)  # /metrics renders it
         self.recorder = StepRecorder(
             self.shape,

@@ -39,6 +39,8 @@ class ModelSource:
     arch: ModelArch
     weights_dir: Path | None  # folder with *.safetensors; None = random weights
     tokenizer_dir: Path | None  # folder loadable by AutoTokenizer (None: no tokenizer)
+    # config.json's quantization_config (an AutoAWQ checkpoint's), None when it has none.
+    quant_config: dict | None = None
 
 
 def resolve_model(spec: str) -> ModelSource:
@@ -91,7 +93,11 @@ def _random_source(spec: str) -> ModelSource:
 def _from_hf_folder(folder: Path, name: str) -> ModelSource:
     cfg = json.loads((folder / "config.json").read_text())
     return ModelSource(
-        name=name, arch=ModelArch.from_hf_config(cfg), weights_dir=folder, tokenizer_dir=folder
+        name=name,
+        arch=ModelArch.from_hf_config(cfg),
+        weights_dir=folder,
+        tokenizer_dir=folder,
+        quant_config=cfg.get("quantization_config"),
     )
 
 

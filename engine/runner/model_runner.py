@@ -26,6 +26,8 @@ from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.onednn_cache import bound_onednn_caches
+from engine.runner.quant import QuantSummary, load_awq, quantize_model
+from engine.runner.quant.awq import check_awq_config
 from engine.runner.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._seed_rng = random.Random(config.seed)
         self.graph_runner: CudaGraphRunner | None = None
+        self.quant_summary: QuantSummary | None = None  # set by _load_model when quantized
         self.model = self._load_model(source)
         self.kv_spec = self._plan_kv_cache()
         # One tensor for all layers: [layers, 2 (K, V), *per-layer layout of the backend].
@@ -140,12 +143,29 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.arch, self.max_model_len, self.attn_backend)
         model = model.to_empty(device=self.device).to(self.dtype)
+        is_awq = bool(source.quant_config) and source.quant_config.get("quant_method") == "awq"
+        if self.config.quantization == "awq" or is_awq:
+            if self.config.quantization != "awq":
+                raise ValueError(
+                    f"quantization: {source.name} is an AutoAWQ checkpoint; load it with "
+                    "quantization='awq'"
+                )
+            group_size = check_awq_config(source.quant_config, source.name)
+            tensors = iter_safetensors(source.weights_dir)
+            self.quant_summary = load_awq(model, tensors, group_size, self.dtype)
+            model.init_rope()
+            return model.eval().requires_grad_(False)
         if source.weights_dir is None:
             _init_random_weights(model, seed=self.config.seed)
         else:
             model.load_hf_weights(iter_safetensors(source.weights_dir))
         model.init_rope()
-        return model.eval().requires_grad_(False)
+        model = model.eval().requires_grad_(False)
+        if self.config.quantization != "none":
+            self.quant_summary = quantize_model(
+                model, self.config.quantization, self.config.quantization_group_size, self.dtype
+            )
+        return model
 
     def _plan_kv_cache(self) -> KVCacheSpec:
         # K and V of every layer, in the backend's own layout.
@@ -367,6 +387,18 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (its RNG) once the request has finished."""
         self._generators.pop(request_id, None)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights take as stored (quantized values, scales and zeros included)."""
+        if self.quant_summary is not None:
+            return self.quant_summary.total_bytes
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def linear_bytes_per_param(self) -> float | None:
+        """Stored bytes per weight of the matmul layers; None when they are not quantized."""
+        return None if self.quant_summary is None else self.quant_summary.linear_bytes_per_param
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -103,6 +103,8 @@ class EngineService:
         self.model_shape = self.engine.shape  # ModelShape: layers, heads, widths, bytes/param
         self.device = self.engine.runner.device.type  # "cpu" | "cuda" (resolved)
         self.dtype = str(self.engine.runner.dtype).removeprefix("torch.")  # e.g. "bfloat16"
+        # Bytes of the weights as stored (quantized: values + scales + zeros; engine/runner/quant).
+        self.weight_bytes = self.engine.runner.weight_bytes
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = threading.Event()

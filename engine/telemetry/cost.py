@@ -32,8 +32,12 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool
-    weight_bytes_per_param: float = 2.0  # 2 bf16/fp16, 4 fp32, 1 int8, 0.5 int4
+    weight_bytes_per_param: float = 2.0  # 2 bf16/fp16, 4 fp32: embeddings and norms
     kv_bytes_per_element: float = 2.0  # bytes of one K or V element in the cache
+    # Bytes per weight of the matmul layers (decoder linears + LM head) as stored, scales and
+    # zeros included: int8 ~1.003, int4 g64 0.5625 (0.5 + a bf16 scale and zero per 64).
+    # None = weight_bytes_per_param (not quantized).
+    linear_bytes_per_param: float | None = None
 
     @classmethod
     def from_arch(
@@ -41,6 +45,7 @@ class ModelShape:
         arch: ModelArch,
         weight_bytes_per_param: float = 2.0,
         kv_bytes_per_element: float = 2.0,
+        linear_bytes_per_param: float | None = None,
     ) -> ModelShape:
         """The one place a ModelArch becomes a ModelShape."""
         return cls(
@@ -54,6 +59,7 @@ class ModelShape:
             tie_word_embeddings=arch.tie_word_embeddings,
             weight_bytes_per_param=weight_bytes_per_param,
             kv_bytes_per_element=kv_bytes_per_element,
+            linear_bytes_per_param=linear_bytes_per_param,
         )
 
     @property
@@ -105,12 +111,16 @@ class ModelShape:
 
         The embedding table is NOT counted as read in full: a step gathers only the rows of its
         tokens (tokens x hidden, negligible and left out). The lm_head is read in full; when the
-        embeddings are tied that read is the embedding table itself, so it is counted once.
+        embeddings are tied that read is the embedding table itself (quantized: its quantized
+        copy), so it is counted once. Quantized matmul layers count their stored bytes.
         """
-        params_read = (
-            self.num_layers * self.layer_linear_params + self.norm_params + self.lm_head_params
+        linear_params = self.num_layers * self.layer_linear_params + self.lm_head_params
+        linear_bytes_per_param = self.linear_bytes_per_param
+        if linear_bytes_per_param is None:
+            linear_bytes_per_param = self.weight_bytes_per_param
+        return (
+            linear_params * linear_bytes_per_param + self.norm_params * self.weight_bytes_per_param
         )
-        return params_read * self.weight_bytes_per_param
 
     def kv_bytes_per_token(self) -> int:
         """K and V of one token across all layers."""

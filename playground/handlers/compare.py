@@ -34,6 +34,7 @@ class SideOutcome:
     peak: BlockSnapshot | None = None  # the block map at peak usage (engine sides)
     steps: list[StepStats] = field(default_factory=list)  # the run's engine steps (engine sides)
     load_s: float = 0.0  # seconds to make the side ready (engine: model load)
+    weight_bytes: int | None = None  # the engine's weights as stored (None: a remote server)
     error: str | None = None
 
 
@@ -201,6 +202,8 @@ COMPARE_ROWS = (
     ("Draft tokens verified (speculative)", "draft_tokens", None),
     ("Draft tokens accepted", "accepted_tokens", "higher"),
     ("Engine start-up (s, not in the run)", "load_s", None),
+    ("Weight memory (MB, as stored)", "weight_mb", "lower"),
+    ("Output tokens same as A (%, greedy runs)", "same_tokens_pct", "higher"),
 )
 COMPARE_HEADERS = ["metric", "A", "B", "B / A", "better", "noise band"]
 # A side "wins" a row only when the two differ by more than this fraction, or by more than
@@ -246,7 +249,27 @@ def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
     m["draft_tokens"] = sum(s.num_draft_tokens for s in steps)
     m["accepted_tokens"] = sum(s.num_accepted_tokens for s in steps)
     m["load_s"] = outcome.load_s
+    if outcome.weight_bytes is not None:
+        m["weight_mb"] = outcome.weight_bytes / 1e6
     return m
+
+
+def same_tokens_pct(a: SideOutcome, b: SideOutcome) -> float | None:
+    """Of A's output tokens in the last run, the percentage B produced at the same position
+    of the same request: greedy agreement (a quantized B against an unquantized A). After
+    the first difference B continues from another prefix, so later positions mostly differ
+    too. None unless both sides ran greedy (temperature 0) on an engine that reports ids."""
+    if not a.runs or not b.runs or a.runs[-1].spec.temperature or b.runs[-1].spec.temperature:
+        return None
+    theirs = {r.index: r.output_token_ids for r in b.runs[-1].per_request if r.success}
+    same = total = 0
+    for r in a.runs[-1].per_request:
+        other = theirs.get(r.index)
+        if not r.success or r.output_token_ids is None or other is None:
+            continue
+        total += len(r.output_token_ids)
+        same += sum(x == y for x, y in zip(r.output_token_ids, other, strict=False))
+    return 100.0 * same / total if total else None
 
 
 def _median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -294,6 +317,9 @@ def compare_rows(
     """One row per metric: A, B, B / A, the winner beyond the noise band, the band. The
     headline row (a COMPARE_ROWS label) comes first, marked with HEADLINE_MARK."""
     ma, mb = outcome_metrics(a), outcome_metrics(b)
+    agreement = same_tokens_pct(a, b)
+    if agreement is not None:
+        ma["same_tokens_pct"], mb["same_tokens_pct"] = 100.0, agreement
     sa, sb = outcome_spreads(a), outcome_spreads(b)
     rows = []
     for label, key, better in which:

@@ -28,6 +28,7 @@ SIDE_FIELDS = (
     "block_size",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "quantization",
 )
 BLOCK_SIZES = (8, 16, 32, 64)
 DEFAULT_SIDE: dict[str, Any] = {
@@ -38,6 +39,7 @@ DEFAULT_SIDE: dict[str, Any] = {
     "block_size": 16,
     "max_num_seqs": 8,
     "max_num_batched_tokens": 256,
+    "quantization": "none",
 }
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "static vs continuous batching": (
@@ -58,6 +60,15 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "token budget 32 vs 256 (chunked prefill)": (
         {"max_num_batched_tokens": 32},
         {"max_num_batched_tokens": 256},
+    ),
+    # Weight-only quantization: batch 1 (max_num_seqs 1) is where weight bytes set the speed.
+    "bf16 vs int8 weights": (
+        {"quantization": "none", "max_num_seqs": 1},
+        {"quantization": "int8", "max_num_seqs": 1},
+    ),
+    "bf16 vs int4 weights": (
+        {"quantization": "none", "max_num_seqs": 1},
+        {"quantization": "int4", "max_num_seqs": 1},
     ),
 }
 DEFAULT_PRESET = "static vs continuous batching"
@@ -81,6 +92,16 @@ DEFAULT_COMPARE_WORKLOAD: dict[str, Any] = {
     "ignore_eos": True,
     "max_concurrency": 0,
     "prefix_len": 0,
+}
+
+
+# The quantization presets' workload: a few prompts answered one at a time, greedy.
+QUANT_WORKLOAD = {
+    "num_prompts": 4,
+    "input_kind": "fixed",
+    "input_mean": 32,
+    "output_kind": "fixed",
+    "output_mean": 32,
 }
 
 
@@ -162,6 +183,11 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
             "output_mean": 32,
         },
     ),
+    # One request at a time (max_num_seqs 1): each decode step is a matrix-vector product per
+    # layer, bound by weight bytes, where the weight-only kernels pay off. Headline TPOT;
+    # the weight-memory and same-tokens rows show the price (measured: see README, Quantization).
+    "bf16 vs int8 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    "bf16 vs int4 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
 }
 
 
@@ -222,6 +248,7 @@ def side_config(
             f"{int(max_model_len)} tokens, more than the {kv_budget_tokens}-token budget"
         )
     return base.replace(
+        quantization=side.get("quantization", "none"),
         batching=side["batching"],
         kv_layout=side["kv_layout"],
         enable_prefix_caching=prefix_caching,
@@ -298,6 +325,8 @@ class EngineSide:
 
     def finish(self, outcome: SideOutcome, run: BackgroundRun | None) -> None:
         try:
+            if self._service is not None:
+                outcome.weight_bytes = self._service.weight_bytes
             if run is not None and run.done.is_set():
                 steps = self._service.stats().steps
                 outcome.steps = [s for s in steps if s.start_time >= run.start_time]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from engine.runner.models.presets import MODEL_PRESETS as SHAPES
 from engine.telemetry.ceilings import GPUS, GPUSpec
 from engine.telemetry.cost import ModelShape, kv_cache_bytes, max_concurrency
-from playground.engine_info import EngineInfo
+from playground.engine_info import EngineInfo, weight_format_text
 
 GB = 1e9  # datasheets count memory in decimal gigabytes: one unit on the whole tab
 
@@ -33,6 +33,10 @@ class ModelPreset:
     max_context: int | None = None  # tokens one request may hold (None: no known limit)
     num_params: int | None = None  # None: counted from the shape (a custom model gives it)
     kv_bytes: float | None = None  # None: the form's KV element; the loaded engine's own
+    # None: params x the form's weight element; the loaded engine's weights as stored
+    # (quantized ones with their scales and zeros, the 16-bit embedding and norms).
+    weight_bytes: int | None = None
+    weight_format: str | None = None  # the loaded engine's weight format, for the formula
 
     @property
     def params(self) -> int:
@@ -86,7 +90,12 @@ def loaded_preset(info: EngineInfo) -> ModelPreset:
     element choice does not apply: the formula must match what the engine allocated)."""
     s = info.shape
     return ModelPreset(
-        f"{info.model_name} (loaded)", s, info.max_model_len, kv_bytes=s.kv_bytes_per_element
+        f"{info.model_name} (loaded)",
+        s,
+        info.max_model_len,
+        kv_bytes=s.kv_bytes_per_element,
+        weight_bytes=info.weight_bytes,
+        weight_format=weight_format_text(info.config, info.dtype),
     )
 
 
@@ -183,6 +192,8 @@ class KVInputs:
 
     @property
     def weights_bytes(self) -> float:
+        if self.preset.weight_bytes is not None:  # the loaded engine: what it really holds
+            return self.preset.weight_bytes
         return self.preset.params * self.weight_bytes
 
     @property
@@ -286,6 +297,11 @@ def formula_markdown(x: KVInputs) -> str:
         if x.preset.kv_bytes is not None
         else ""
     )
+    if x.preset.weight_format is not None:  # the form's weight element does not apply
+        element += (
+            f" · weights: the loaded engine's own, {x.weights_bytes / 1e6:,.1f} MB as stored "
+            f"({x.preset.weight_format})"
+        )
     verdict = (
         f"**{fits}** requests of {x.seq_len:,} tokens fit in {x.gpu} "
         f"({x.memory_fraction:.0%} of {x.memory_gb:g} GB, minus "

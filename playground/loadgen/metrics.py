@@ -42,6 +42,8 @@ class RequestResult:
     error: str | None = None
     finish_reason: str | None = None
     queue_s: float | None = None  # engine target only: RequestMetrics.queue_s
+    # Engine target only: the output token ids (Compare's greedy agreement between sides).
+    output_token_ids: list[int] | None = None
 
     @property
     def success(self) -> bool:

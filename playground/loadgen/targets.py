@@ -83,6 +83,7 @@ class EngineTarget:
         if last is not None:
             result.prompt_tokens = len(last.prompt_token_ids)
             result.output_tokens = len(last.token_ids)
+            result.output_token_ids = list(last.token_ids)
             result.finish_reason = last.finish_reason
             result.queue_s = last.metrics.queue_s if last.metrics is not None else None
             if last.error:

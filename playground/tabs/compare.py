@@ -12,6 +12,7 @@ from typing import Any
 import gradio as gr
 import plotly.graph_objects as go
 
+from engine.config import literal_choices
 from playground.context import AppContext
 from playground.figures.blocks import block_map_figure
 from playground.figures.latency import (
@@ -80,6 +81,13 @@ def _side_form(name: str, values: dict) -> dict:
         values["max_num_batched_tokens"],
         label="max_num_batched_tokens (token budget per step)",
         precision=0,
+    )
+    parts["quantization"] = gr.Radio(
+        # Not "awq": it needs an AutoAWQ checkpoint as the model, and both sides run the same.
+        [q for q in literal_choices()["quantization"] if q != "awq"],
+        value=values["quantization"],
+        label="Weights: int8 / int4 weight-only in every linear and the LM head (the "
+        "embedding and norms stay 16-bit)",
     )
     return {f: parts[f] for f in SIDE_FIELDS}
 

@@ -146,8 +146,11 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab] (lm_head in the model dtype, as HF does)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        """[N, hidden] -> float32 logits [N, vocab] (lm_head in the model dtype, as HF does).
+        A quantized model has its own lm_head module even when the embeddings are tied."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into our packed layers."""

@@ -1,0 +1,146 @@
+"""Quantization benchmark: none vs int8 vs int4 on one model, in one run.
+
+    python -m benchmarks.quant                         # the embedded SmolLM2-135M, bfloat16
+    python -m benchmarks.quant --quantization-group-size 32 --output-len 16
+
+For each format the engine is built afresh (same model, same seed) and measured four ways:
+- weight bytes: the weights as stored (quantized values + scales + zeros; the embedding and the
+  norms stay 16-bit), and the bytes the cost model says one step reads;
+- batch-1 TPOT: prompts sent one at a time, median of their time per output token;
+- batch-64 decode: 64 requests at once, output tokens per second over the steps that only
+  decoded all 64 (prefill excluded);
+- greedy agreement with "none": for a fixed set of text prompts, the fraction of output
+  positions whose greedy token equals the unquantized model's (a position after a divergence
+  continues from a different prefix, so this also counts the divergence's consequences), and
+  how many outputs are identical.
+Every request has an exact output length (ignore_eos). Prints JSON. Timings are noisy when
+other processes share the cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import random
+import statistics
+import sys
+import time
+
+from benchmarks.common import bench_parser, config_report, emit
+from engine.cli import config_from_args
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.request import SamplingParams
+
+FORMATS = ("none", "int8", "int4")
+BATCH_SIZE = 64
+
+# Greedy agreement prompts: short, varied, plain text (no hub data set needed).
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "In 1969, Neil Armstrong",
+    "Explain photosynthesis in one sentence:",
+    "The three primary colors are",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Once upon a time, in a land far away, there lived",
+    "import numpy as np\n\nx = np.arange(10)\n",
+    "The most important rule of programming is",
+    "A list of fruits: apple, banana,",
+    "Paged attention stores the KV cache in fixed-size blocks so that",
+]
+
+
+def measure(config: EngineConfig, output_len: int, prompt_len: int) -> dict:
+    llm = LLM(**dataclasses.asdict(config))
+    greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    vocab = llm.engine.source.arch.vocab_size
+    rng = random.Random(0)
+    batch = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(BATCH_SIZE)]
+    # Warm-up at both batch shapes: oneDNN builds a primitive per new matmul shape.
+    llm.generate(batch, SamplingParams(max_tokens=3, ignore_eos=True))
+
+    tpots = [llm.generate([p], greedy)[0].metrics.tpot_s for p in batch[:3]]
+
+    first_step = llm.engine.num_steps
+    start = time.perf_counter()
+    llm.generate(batch, greedy)
+    batch_s = time.perf_counter() - start
+    steps = [s for s in llm.stats().steps if s.step_index >= first_step]
+    full = [s for s in steps if s.kind == "decode" and s.num_decode_reqs == BATCH_SIZE]
+    decode_tok_per_s = sum(s.num_decode_tokens for s in full) / sum(s.duration_s for s in full)
+
+    texts = llm.generate(TEXT_PROMPTS, greedy)
+    runner = llm.engine.runner
+    summary = runner.quant_summary
+    report = {
+        "quantization": config.quantization,
+        "group_size": summary.group_size if summary else None,
+        "weight_bytes": runner.weight_bytes,
+        "linear_bytes_per_param": round(runner.linear_bytes_per_param or runner.dtype.itemsize, 4),
+        "bytes_read_per_step": int(llm.engine.shape.weight_bytes),
+        "dequant_min_rows": summary.dequant_min_rows if summary else None,
+        "batch1_tpot_ms": round(statistics.median(tpots) * 1e3, 2),
+        "batch64_decode_tokens_per_s": round(decode_tok_per_s, 1),
+        "batch64_decode_steps": len(full),
+        "batch64_output_tokens_per_s": round(BATCH_SIZE * output_len / batch_s, 1),
+        "token_ids": [o.token_ids for o in texts],
+    }
+    del llm
+    gc.collect()
+    return report
+
+
+def agreement(runs: list[dict]) -> None:
+    """Adds greedy agreement with the first run ("none") to every run, in place."""
+    base = runs[0]["token_ids"]
+    for run in runs:
+        ids = run.pop("token_ids")
+        same = sum(
+            a == b for x, y in zip(ids, base, strict=True) for a, b in zip(x, y, strict=True)
+        )
+        run["greedy_token_agreement"] = round(same / sum(len(x) for x in base), 3)
+        run["greedy_identical_outputs"] = sum(x == y for x, y in zip(ids, base, strict=True))
+
+
+def build_parser():
+    # Not flags: the benchmark sets the format itself and runs batches of BATCH_SIZE.
+    p = bench_parser(__doc__, exclude=("quantization", "max_num_seqs"))
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    p.add_argument("--prompt-len", type=int, default=16, help="batch-64 prompt tokens")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args, max_num_seqs=BATCH_SIZE)
+    runs = [
+        measure(config.replace(quantization=f), args.output_len, args.prompt_len) for f in FORMATS
+    ]
+    agreement(runs)
+    base = runs[0]
+    for run in runs:
+        run["weight_bytes_vs_none"] = round(run["weight_bytes"] / base["weight_bytes"], 3)
+        run["batch1_tpot_vs_none"] = round(run["batch1_tpot_ms"] / base["batch1_tpot_ms"], 2)
+        run["batch64_decode_vs_none"] = round(
+            run["batch64_decode_tokens_per_s"] / base["batch64_decode_tokens_per_s"], 2
+        )
+    report = {
+        "model": config.model,
+        "config": config_report(config.replace(quantization="none")),
+        "workload": {
+            "output_len": args.output_len,
+            "batch1_requests": 3,
+            "batch64_prompt_len": args.prompt_len,
+            "agreement_prompts": len(TEXT_PROMPTS),
+            "greedy": True,
+        },
+        "runs": runs,
+    }
+    emit(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""w4a16_gemm: y = x @ W.T with W int4 in the packed layout of kernels/int4_pack.py, dequantized
+tile by tile in registers and accumulated in float32 (a GPU's answer to the CPU weight-only
+kernel: the weight crosses memory at 0.5 byte per value plus its group scales).
+
+One program computes a [BLOCK_M, 64] tile of y: the 64 output rows of one packed block. Per
+K tile (BLOCK_K inputs, inside one quantization group) it loads the block's bytes
+[BLOCK_K, 32] twice, as the low nibbles (rows 0..31) and the high nibbles (rows 32..63),
+applies w = (q - 8) * s + zf with the group's (s, zf) per row, and feeds tl.dot.
+Requires N % 64 == 0 (no packed tail) and BLOCK_K dividing the group size. No split-K yet
+(small M leaves most of a GPU idle when N / 64 is small).
+
+Tested under TRITON_INTERPRET=1 only: no GPU was at hand to measure it, so the engine does not
+call it yet and quantized layers on CUDA take the dequantize + GEMM path
+(engine/runner/quant/apply.py).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.int4_pack import INT4_BLOCK_ROWS
+
+BLOCK_M = 16
+BLOCK_K = 32
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,  # [M, K], row-major
+    packed_ptr,  # uint8, N * K / 2 bytes: [N / 64, K, 32]
+    sz_ptr,  # [K / G, N, 2]: (scale, float zero)
+    y_ptr,  # [M, N], row-major
+    M,
+    N,
+    K,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    block = tl.program_id(1)  # one packed block = 64 output rows
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, 64)  # output rows inside the block
+    n = block * 64 + cols
+    byte = cols % 32
+    shift = (cols // 32) * 4  # low nibble for rows 0..31, high for 32..63
+    acc = tl.zeros((BLOCK_M, 64), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + rows_m[:, None].to(tl.int64) * K + ks[None, :],
+            mask=rows_m[:, None] < M,
+            other=0.0,
+        )
+        offsets = (block.to(tl.int64) * K + ks[:, None]) * 32 + byte[None, :]
+        packed = tl.load(packed_ptr + offsets).to(tl.int32)  # [BLOCK_K, 64]
+        q = (packed >> shift[None, :]) & 15
+        group = k0 // GROUP_SIZE
+        s = tl.load(sz_ptr + (group * N + n) * 2).to(tl.float32)
+        zf = tl.load(sz_ptr + (group * N + n) * 2 + 1).to(tl.float32)
+        w = (q.to(tl.float32) - 8.0) * s[None, :] + zf[None, :]  # [BLOCK_K, 64]
+        # 16-bit operands (tensor cores), float32 accumulation.
+        acc += tl.dot(x, w.to(x.dtype))
+    y_offsets = rows_m[:, None].to(tl.int64) * N + n[None, :]
+    tl.store(y_ptr + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=rows_m[:, None] < M)
+
+
+def w4a16_gemm(
+    x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x [M, K] @ packed int4 W [N, K/2] with scale_and_zero [K/G, N, 2] -> [M, N] in x's
+    dtype (the CPU kernel's signature: kernels/weight_only_cpu.int4_weight_only_mm)."""
+    assert x.dim() == 2 and x.is_contiguous(), f"x must be contiguous [M, K], got {tuple(x.shape)}"
+    m, k = x.shape
+    n = packed.shape[0]
+    assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2), (
+        f"packed must be uint8 [N, K/2] = [{n}, {k // 2}], got {tuple(packed.shape)}"
+    )
+    assert packed.is_contiguous() and packed.device == x.device
+    assert n % INT4_BLOCK_ROWS == 0, f"N must be a multiple of 64 (no packed tail), got {n}"
+    assert group_size % BLOCK_K == 0 and k % group_size == 0, (
+        f"group size {group_size} must be a multiple of {BLOCK_K} and divide K = {k}"
+    )
+    assert scale_and_zero.shape == (k // group_size, n, 2) and scale_and_zero.is_contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, BLOCK_M), n // INT4_BLOCK_ROWS)
+    _w4a16_kernel[grid](
+        x, packed, scale_and_zero, y, m, n, k,
+        GROUP_SIZE=group_size, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,41 @@
+"""benchmarks.quant and benchmarks.quant_crossover: the JSON they print has every number the
+README table takes, for every format (tiny random model: mechanics, not speed)."""
+
+import json
+
+import pytest
+
+from benchmarks import quant as bench_quant
+from benchmarks import quant_crossover
+
+
+@pytest.mark.slow  # three engines, ~20 s on 2 cores
+def test_bench_quant_reports_each_format_against_none(tmp_path, capsys):
+    out = tmp_path / "bench_quant.json"
+    argv = ["--model", "random:tiny", "--dtype", "float32", "--output-len", "4",
+            "--prompt-len", "4", "--quantization-group-size", "32", "--json", str(out)]  # fmt: skip
+    assert bench_quant.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report == json.loads(capsys.readouterr().out)
+    runs = {r["quantization"]: r for r in report["runs"]}
+    assert list(runs) == ["none", "int8", "int4"]
+    assert runs["none"]["greedy_token_agreement"] == 1.0
+    assert runs["int4"]["group_size"] == 32 and runs["int8"]["group_size"] is None
+    # The cost model reads fewer bytes per step as the weights shrink.
+    read = [runs[f]["bytes_read_per_step"] for f in ("none", "int8", "int4")]
+    assert read[0] > read[1] > read[2]
+    for run in runs.values():
+        assert run["batch1_tpot_ms"] > 0 and run["batch64_decode_tokens_per_s"] > 0
+        assert run["batch64_decode_steps"] > 0 and 0.0 <= run["greedy_token_agreement"] <= 1.0
+
+
+def test_crossover_reports_every_path_and_the_rule(capsys):
+    quant_crossover.main(["--preset", "tiny", "--rows", "1", "8", "--repeats", "1"])
+    report = json.loads(capsys.readouterr().out)
+    assert [r["rows"] for r in report["results"]] == [1, 8]
+    keys = {f"{g}_{p}_us" for g in ("layer", "lm_head")
+            for p in ("bf16", "int8_kernel", "int8_dequant", "int4_kernel", "int4_dequant")}  # fmt: skip
+    assert keys <= set(report["results"][0])
+    rows = [{"rows": m, "layer_int8_dequant_us": d, "layer_int8_kernel_us": k}
+            for m, d, k in ((1, 5, 1), (64, 1, 2), (96, 3, 2), (128, 1, 2))]  # fmt: skip
+    assert quant_crossover.crossover_rows(rows, "int8") == 128  # a lone win at 64 does not count

@@ -1,0 +1,91 @@
+"""Quantization in the playground (issue 13) at the handler level: the header and the KV
+calculator show the loaded engine's weight format and bytes; Compare takes quantization on
+both sides, has bf16-vs-int8/int4 presets, and rows for weight memory and greedy agreement."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from engine import EngineConfig
+from engine.runner.models.presets import MODEL_PRESETS
+from engine.telemetry.cost import ModelShape
+from playground.engine_info import EngineInfo, describe
+from playground.handlers.compare import SideOutcome, compare_rows
+from playground.handlers.compare_engine import PRESETS, preset_form, side_config, side_label
+from playground.handlers.kv import LOADED_MODEL, formula_markdown, parse_inputs
+from playground.loadgen import LoadTestResult, RequestResult, WorkloadSpec
+
+INT4 = EngineConfig(quantization="int4", quantization_group_size=64)
+SHAPE = ModelShape.from_arch(MODEL_PRESETS["smollm2-135m"], linear_bytes_per_param=0.5625)
+
+
+def _info(config: EngineConfig = INT4, weight_bytes: int = 132_338_304) -> EngineInfo:
+    return EngineInfo("smollm2-135m", config, SHAPE, "cpu", "bfloat16", 1024, 64, 1 << 20,
+                      weight_bytes)  # fmt: skip
+
+
+def test_header_names_the_format_what_stays_16_bit_and_the_bytes():
+    header = describe(_info())
+    assert "int4 weight-only (round-to-nearest, a scale and zero per 64 inputs)" in header
+    assert "the embedding, norms and biases stay bfloat16: 132.3 MB" in header
+    plain = describe(_info(EngineConfig(), 269_030_016))
+    assert "matmul weights bfloat16: 269.0 MB" in plain
+    awq = describe(_info(EngineConfig(quantization="awq"), 150_000_000))
+    assert "int4 from an AutoAWQ checkpoint" in awq and "biases and LM head stay bfloat16" in awq
+
+
+def test_kv_loaded_model_counts_the_engines_stored_weight_bytes():
+    x = parse_inputs(LOADED_MODEL, "as the model", 512, 1, "bf16 / fp16 (2 B)",
+                  "fp32 (4 B)", "H100 SXM 80GB", 0.9, _info())  # fmt: skip
+    assert x.weights_bytes == 132_338_304  # not params x the form's 4 B
+    assert "weights: the loaded engine's own, 132.3 MB as stored (matmul weights int4" in (
+        formula_markdown(x)
+    )
+
+
+def _outcome(name: str, tokens: list[list[int]], temperature: float, weight_bytes: int):
+    spec = WorkloadSpec(num_prompts=len(tokens), temperature=temperature)
+    per_request = []
+    for i, ids in enumerate(tokens):
+        r = RequestResult(i, send_time=0.0, first_token_time=0.1, prompt_tokens=8)
+        r.token_times = [0.1 * (k + 1) for k in range(len(ids))]
+        r.end_time, r.output_tokens, r.output_token_ids = r.token_times[-1], len(ids), ids
+        per_request.append(r)
+    run = LoadTestResult(spec, "engine:x", 0.0, 1.0, per_request)
+    return SideOutcome(name, f"{name}: x", INT4, result=run, runs=[run], weight_bytes=weight_bytes)
+
+
+def test_compare_rows_weight_memory_and_greedy_agreement():
+    a = _outcome("A", [[1, 2, 3, 4], [5, 6, 7, 8]], 0.0, 269_030_016)
+    b = _outcome("B", [[1, 2, 3, 9], [5, 6, 7, 8]], 0.0, 132_338_304)
+    rows = {r[0]: r for r in compare_rows(a, b)}
+    assert rows["Weight memory (MB, as stored)"][1:5] == ["269.03", "132.34", "x0.49", "B"]
+    assert rows["Output tokens same as A (%, greedy runs)"][1:3] == ["100.00", "87.50"]
+    sampled = _outcome("B", [[1, 2, 3, 4], [5, 6, 7, 8]], 0.8, 132_338_304)
+    rows = {r[0]: r for r in compare_rows(a, sampled)}
+    assert rows["Output tokens same as A (%, greedy runs)"][1:3] == ["n/a", "n/a"]
+
+
+def test_quantization_presets_and_side_configs():
+    for name, fmt in (("bf16 vs int8 weights", "int8"), ("bf16 vs int4 weights", "int4")):
+        assert name in PRESETS
+        form = preset_form(name)
+        a, b = form["A"], form["B"]
+        assert (a["quantization"], b["quantization"]) == ("none", fmt)
+        assert form["workload"]["temperature"] == 0.0  # greedy: the agreement row applies
+        base = EngineConfig(model="random:tiny")
+        assert side_config(base, b, 1024, 256).quantization == fmt
+        assert side_config(base, a, 1024, 256).quantization == "none"
+        assert side_label("B", b, a) == f"B: quantization={fmt}"
+    other = preset_form("max_num_seqs 2 vs 8")
+    assert other["A"]["quantization"] == other["B"]["quantization"] == "none"
+
+
+def test_info_fields_are_what_engine_info_reads():
+    from playground.engine_info import engine_info
+
+    stats = SimpleNamespace(num_kv_blocks=64, kv_cache_bytes=1 << 20)
+    service = SimpleNamespace(model_name="m", config=INT4, model_shape=SHAPE, device="cpu",
+                              dtype="bfloat16", max_model_len=1024, weight_bytes=123,
+                              stats=lambda: stats)  # fmt: skip
+    assert engine_info(service).weight_bytes == 123
