@@ -17,6 +17,8 @@ MAX_TOP_K = 2**31 - 1  # values above the vocabulary keep every token
 MIN_REPETITION_PENALTY = 1e-2  # logits / penalty must stay finite in float32
 MAX_REPETITION_PENALTY = 100.0
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most 64 bits
+# Most alternatives returned per token (OpenAI's top_logprobs cap, vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,13 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS (benchmarks with exact lengths)
     # > 1 discourages tokens already in prompt or output; in [MIN_, MAX_REPETITION_PENALTY]
     repetition_penalty: float = 1.0
+    # Log-probabilities of the raw model logits (before penalty and temperature: see
+    # docs/logprobs.md). None = off; k in [0, MAX_LOGPROBS] = each generated token's logprob
+    # and rank plus the k most likely tokens at its position.
+    logprobs: int | None = None
+    # The same for every prompt token after the first (the basis of perplexity). A request
+    # with prompt_logprobs computes its whole prompt: it skips the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a lone string / list for convenience, store tuples so the params stay hashable.
@@ -61,6 +70,9 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: must be non-negative integers, got "
                              f"{list(self.stop_token_ids)!r}")  # fmt: skip
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, "None or ")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
 
@@ -102,6 +114,18 @@ def _as_tuple(name: str, value: object, kind: type) -> tuple:
     if not all(ok(x) for x in value):
         raise ValueError(f"{name}: must be a list of {kind.__name__}, got {list(value)!r}")
     return tuple(value)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability at its position, from log_softmax of the raw logits."""
+
+    token_id: int
+    logprob: float  # natural log; <= 0
+    rank: int  # 1 = the most likely token at this position
+    # The k most likely tokens there, most likely first: (token id, logprob); k = the
+    # request's logprobs / prompt_logprobs setting (may or may not include token_id).
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class RequestStatus(enum.Enum):
@@ -195,6 +219,11 @@ class Request:
     # Output tokens the last step appended: 1, or up to k + 1 when k drafts were verified.
     num_new_output_tokens: int = 0
     output_text: str = ""
+    # One per output token when params.logprobs is set (kept aligned with output_token_ids).
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prompt tokens 1.. (token 0 has no context) when params.prompt_logprobs is set; filled
+    # chunk by chunk during prefill and never recomputed after a preemption.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Incremental detokenization state (engine/core/detokenizer.py sets it at admission).
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
@@ -247,3 +276,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     metrics: RequestMetrics
     error: str | None = None  # set when the engine failed the request
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry (params.logprobs)
+    new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
+    # One per prompt token, the first None (no context); set once the prompt is computed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

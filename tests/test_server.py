@@ -193,9 +193,9 @@ BAD_COMPLETIONS = [
     ({"prompt": ["a", "b"]}, "prompt"),  # batches are not served
     ({"stop": [""]}, "stop"),
     ({"extra_body": {"seed": "abc"}}, "seed"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),  # above MAX_LOGPROBS (tests/test_server_logprobs.py)
     ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"echo": True}, "echo"),
+    ({"suffix": "x"}, "suffix"),
 ]
 
 

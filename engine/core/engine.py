@@ -233,7 +233,9 @@ class LLMEngine:
         # Requests whose sampling raised fail alone, before update(), which then skips them
         # (no longer running) and advances the rest exactly as if they had run without them.
         outputs = [self._fail(rid, f"engine error: {why}") for rid, why in result.failed.items()]
-        touched = self.scheduler.update(sched, result.sampled, time.perf_counter())
+        touched = self.scheduler.update(
+            sched, result.sampled, time.perf_counter(), result.logprobs, result.prompt_logprobs
+        )
         outputs += self.outputs.process(touched)  # may finish requests (stop strings, errors)
         self._release([request for request in touched if request.finished])
         self.recorder.record_step(start, sched, result.sampled, time.perf_counter())

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, TokenLogprob
 
 
 @dataclass
@@ -192,9 +192,15 @@ class Scheduler:
             self.running.append(request)
 
     def _cached_prefix(self, request: Request) -> list[int]:
-        """The request's longest cached run of full blocks ([] when prefix caching is off)."""
+        """The request's longest cached run of full blocks ([] when prefix caching is off).
+
+        A request asking for prompt_logprobs takes no cached prefix: cached tokens are never
+        run through the model, so they would have no logits to score. It computes its whole
+        prompt (and its full blocks still enter the cache for others)."""
         bm = self.block_manager
-        return bm.lookup_prefix(request.all_token_ids) if bm.enable_prefix_caching else []
+        if not bm.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []
+        return bm.lookup_prefix(request.all_token_ids)
 
     def _start_from_prefix(self, request: Request, prefix: list[int], out: SchedulerOutput) -> None:
         """Count the lookup; share the cached prefix blocks, if any, and skip those tokens."""
@@ -256,13 +262,22 @@ class Scheduler:
 
     # --- after the model ran ---
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float | None = None
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        now: float | None = None,
+        logprobs: Mapping[str, list[TokenLogprob]] | None = None,
+        prompt_logprobs: Mapping[str, list[TokenLogprob]] | None = None,
     ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish requests at a token stop.
 
         `sampled` has one token per request that reached its end, or several when drafts were
-        verified (accepted drafts + one). Returns the requests that got tokens or finished.
+        verified (accepted drafts + one). `logprobs` has one entry per sampled token (requests
+        that asked), `prompt_logprobs` the prompt tokens this step scored. Returns the requests
+        that got tokens or finished.
         """
+        logprobs = logprobs or {}
+        prompt_logprobs = prompt_logprobs or {}
         now = time.perf_counter() if now is None else now
         touched: list[Request] = []
         for item in out.scheduled:
@@ -270,13 +285,17 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted later in the same step (its work is discarded)
             tokens = sampled.get(request.request_id, [])
+            request.prompt_logprobs.extend(prompt_logprobs.get(request.request_id, ()))
+            token_logprobs = logprobs.get(request.request_id)
             # K/V stay valid up to the last accepted draft; rejected drafts' slots get
             # overwritten later (no attention reads past num_computed_tokens).
             num_rejected = item.num_draft_tokens - max(0, len(tokens) - 1)
             request.num_computed_tokens += item.num_new_tokens - num_rejected
             status = None
-            for token in tokens:
+            for i, token in enumerate(tokens):
                 request.output_token_ids.append(token)
+                if token_logprobs is not None:
+                    request.output_logprobs.append(token_logprobs[i])
                 request.metrics.token_times.append(now)
                 status = self._token_stop(request, token)
                 if status is not None:

@@ -19,10 +19,11 @@ from engine.core.block_manager import cdiv
 from engine.core.detokenizer import token_slice
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.spec_decode import verify
-from engine.request import Request, SamplingParams
+from engine.request import Request, SamplingParams, TokenLogprob
 from engine.runner.attention import default_backend_name, get_backend
 from engine.runner.attention.base import AttentionBackend, AttentionInputs
 from engine.runner.cuda_graphs import CudaGraphRunner
+from engine.runner.logprobs import token_logprobs
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.sampler import sample
@@ -64,6 +65,21 @@ class RunnerOutput:
     # Request id -> why its sampling or verification raised (it alone failed; the engine
     # aborts it with this message, the step's other requests keep their tokens).
     failed: dict[str, str] = field(default_factory=dict)
+    # Request id -> one TokenLogprob per token in `sampled` (requests with params.logprobs).
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Request id -> logprobs of the prompt tokens this step's chunk predicted, continuing
+    # where request.prompt_logprobs ends (requests with params.prompt_logprobs).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The logit rows of one request's prompt tokens in a step (prompt_logprobs)."""
+
+    request: Request
+    first_row: int  # index into the step's logits of the row predicting first_token
+    first_token: int  # index into the prompt of the first token scored
+    num_tokens: int  # prompt tokens scored (consecutive)
 
 
 @dataclass(frozen=True)
@@ -207,10 +223,13 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self._forward(step)
             picks, rows = self._logit_rows(step)
+            prompt_rows = self._prompt_logit_rows(step, rows)
             if not rows:
                 return RunnerOutput()
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-            return self._sample_and_verify(logits, picks)
+            result = self._sample_and_verify(logits, picks)
+            self._add_logprobs(logits, picks, prompt_rows, result)
+            return result
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
@@ -273,6 +292,60 @@ class ModelRunner:
                 picks.append((s, len(rows)))
                 rows.extend(range(end - s.num_draft_tokens - 1, end))
         return picks, rows
+
+    @staticmethod
+    def _prompt_logit_rows(step: StepInputs, rows: list[int]) -> list[PromptRows]:
+        """Append to `rows` the hidden rows whose logits score prompt tokens, for requests with
+        prompt_logprobs: the row of position p predicts token p + 1. Tokens already scored
+        (before a preemption, whose recompute runs the prompt again) are not scored twice."""
+        found: list[PromptRows] = []
+        start_row = 0  # the request's first token in the packed batch
+        for s in step.requests:
+            request = s.request
+            if request.params.prompt_logprobs is not None:
+                start = request.num_computed_tokens
+                first_pos = max(start, len(request.prompt_logprobs))  # next unscored: pos + 1
+                end_pos = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
+                if end_pos > first_pos:
+                    found.append(PromptRows(request, len(rows), first_pos + 1, end_pos - first_pos))
+                    rows.extend(range(start_row + first_pos - start, start_row + end_pos - start))
+            start_row += s.num_new_tokens
+        return found
+
+    def _add_logprobs(
+        self,
+        logits: torch.Tensor,
+        picks: list[tuple[ScheduledRequest, int]],
+        prompt_rows: list[PromptRows],
+        result: RunnerOutput,
+    ) -> None:
+        """Logprobs of the raw logits (engine/runner/logprobs.py) for the tokens each request
+        got this step (row first + i scored its i-th token, drafts included) and for the
+        prompt tokens its chunk predicted. A request whose scoring raises fails alone."""
+        for s, first in picks:
+            r = s.request
+            tokens = result.sampled.get(r.request_id)
+            if r.params.logprobs is None or not tokens:
+                continue
+            try:
+                result.logprobs[r.request_id] = token_logprobs(
+                    logits[first : first + len(tokens)], tokens, r.params.logprobs
+                )
+            except Exception as exc:
+                result.sampled.pop(r.request_id)
+                self._fail_request(r, "logprobs", exc, result)
+        for p in prompt_rows:
+            r = p.request
+            if r.request_id in result.failed:
+                continue
+            ids = r.prompt_token_ids[p.first_token : p.first_token + p.num_tokens]
+            try:
+                result.prompt_logprobs[r.request_id] = token_logprobs(
+                    logits[p.first_row : p.first_row + p.num_tokens], ids, r.params.prompt_logprobs
+                )
+            except Exception as exc:
+                result.sampled.pop(r.request_id, None)
+                self._fail_request(r, "prompt logprobs", exc, result)
 
     def _sample_and_verify(
         self, logits: torch.Tensor, picks: list[tuple[ScheduledRequest, int]]

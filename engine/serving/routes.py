@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from engine.serving import streams as server_streams
 from engine.serving.http_limits import HTTPLimits, read_body
+from engine.serving.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from engine.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -142,20 +143,32 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream, _ = await _submit(state, prompt, req, max_tokens, rid)
         if req.stream:
-            events = server_streams.completion_events(service, stream, model, req.include_usage)
+            events = server_streams.completion_events(
+                service, stream, model, req.include_usage, echo=req.echo,
+                with_logprobs=req.logprobs is not None,
+            )  # fmt: skip
             return StreamingResponse(_tracked(state, rid, events), media_type="text/event-stream")
         try:
             last = await server_streams.collect(service, stream, request)
         finally:
             state.inflight.discard(rid)
+        text, logprobs = last.text, None
+        token_ids, scored = last.token_ids, last.logprobs
+        if req.echo:  # the prompt leads the text and the scored tokens
+            text = server_streams.prompt_text(service, last) + text
+            token_ids = last.prompt_token_ids + token_ids
+            scored = (last.prompt_logprobs or []) + (scored or [])
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(token_ids, scored, TokenTexts(service.tokenizer))
         n_out = len(last.token_ids)
         return JSONResponse(
             completion_response(
                 stream.request_id,
                 model,
-                last.text,
+                text,
                 last.finish_reason,
                 usage(len(last.prompt_token_ids), n_out),
+                logprobs,
             )
         )
 
@@ -187,12 +200,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream, _ = await _submit(state, template, req, max_tokens, rid)
         if req.stream:
-            events = server_streams.chat_events(service, stream, model, req.include_usage)
+            events = server_streams.chat_events(
+                service, stream, model, req.include_usage, with_logprobs=req.logprobs
+            )
             return StreamingResponse(_tracked(state, rid, events), media_type="text/event-stream")
         try:
             last = await server_streams.collect(service, stream, request)
         finally:
             state.inflight.discard(rid)
+        logprobs = None
+        if req.logprobs:
+            logprobs = chat_logprobs(last.logprobs or [], TokenTexts(service.tokenizer))
         return JSONResponse(
             chat_response(
                 stream.request_id,
@@ -200,6 +218,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 last.text,
                 last.finish_reason,
                 usage(len(last.prompt_token_ids), len(last.token_ids)),
+                logprobs,
             )
         )
 

@@ -12,6 +12,12 @@ from typing import Any
 
 from fastapi import Request
 
+from engine.serving.logprobs_format import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    next_text_offset,
+)
 from engine.serving.protocol import (
     SSE_DONE,
     APIError,
@@ -99,22 +105,61 @@ def _stream_error(out: Any) -> str:
     return sse(body)
 
 
+def prompt_text(service: Any, out: Any) -> str:
+    """The prompt as text (for echo): as sent, or the decode of a token-id prompt."""
+    if out.prompt is not None:
+        return out.prompt
+    tokenizer = service.tokenizer
+    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
+
 def completion_events(
-    service: Any, stream: Any, model: str, include_usage: bool
-) -> AsyncIterator[str]:
+    service: Any, stream: Any, model: str, include_usage: bool, *, echo: bool = False,
+    with_logprobs: bool = False,
+) -> AsyncIterator[str]:  # fmt: skip
+    """Completion chunks; with echo the first one leads with the prompt (and, with logprobs,
+    the prompt tokens' logprobs); each chunk carries the logprobs of the tokens it adds, with
+    text offsets running on across chunks."""
     rid = stream.request_id
+    texts = TokenTexts(service.tokenizer)
+    state = {"first": True, "offset": 0}
+
+    def chunk_for(out: Any) -> dict[str, Any] | None:
+        text, token_ids, scored = out.new_text, out.new_token_ids, out.new_logprobs or []
+        if state["first"] and echo:
+            text = prompt_text(service, out) + text
+            token_ids = out.prompt_token_ids + token_ids
+            scored = (out.prompt_logprobs or []) + scored
+        state["first"] = False
+        logprobs = None
+        if with_logprobs:
+            logprobs = completion_logprobs(token_ids, scored, texts, state["offset"])
+            state["offset"] = next_text_offset(logprobs, state["offset"])
+        if not (text or out.finished or (with_logprobs and token_ids)):
+            return None
+        return completion_chunk(rid, model, text, out.finish_reason, logprobs)
+
     return _events(
-        service, stream, model, include_usage, "text_completion",
-        lambda out: completion_chunk(rid, model, out.new_text, out.finish_reason),
+        service, stream, model, include_usage, "text_completion", chunk_for
     )  # fmt: skip
 
 
-def chat_events(service: Any, stream: Any, model: str, include_usage: bool) -> AsyncIterator[str]:
+def chat_events(
+    service: Any, stream: Any, model: str, include_usage: bool, *, with_logprobs: bool = False
+) -> AsyncIterator[str]:
+    """Chat chunks; with logprobs each carries its new tokens' entries, so a token whose text
+    is held back (a possible stop string, an unfinished character) still sends its logprob."""
     rid = stream.request_id
+    texts = TokenTexts(service.tokenizer)
 
-    def chunk_for(out: Any) -> dict[str, Any]:
+    def chunk_for(out: Any) -> dict[str, Any] | None:
         delta = {"content": out.new_text} if out.new_text else {}
-        return chat_chunk(rid, model, delta, out.finish_reason)
+        logprobs = None
+        if with_logprobs:
+            logprobs = chat_logprobs(out.new_logprobs or [], texts)
+        if not (out.new_text or out.finished or (with_logprobs and out.new_token_ids)):
+            return None
+        return chat_chunk(rid, model, delta, out.finish_reason, logprobs)
 
     first = chat_chunk(rid, model, {"role": "assistant", "content": ""}, None)
     return _events(service, stream, model, include_usage, "chat.completion.chunk", chunk_for, first)
@@ -126,10 +171,11 @@ async def _events(
     model: str,
     include_usage: bool,
     usage_object: str,
-    chunk_for: Callable[[Any], dict[str, Any]],
+    chunk_for: Callable[[Any], dict[str, Any] | None],
     first: dict[str, Any] | None = None,
 ) -> AsyncIterator[str]:
-    """SSE events of one request: a chunk per delta with text (or the final one), then the
+    """SSE events of one request: a chunk per delta that `chunk_for` makes one of (text,
+    logprobs, or the final one), then the
     usage chunk when asked for, then [DONE]. With include_usage every chunk carries
     "usage": null, as OpenAI's stream does."""
 
@@ -147,8 +193,9 @@ async def _events(
             yield SSE_DONE
             return
         last = out
-        if out.new_text or out.finished:
-            yield event(chunk_for(out))
+        chunk = chunk_for(out)
+        if chunk is not None:
+            yield event(chunk)
     if include_usage and last is not None:
         u = usage(len(last.prompt_token_ids), len(last.token_ids))
         yield sse(usage_chunk(stream.request_id, model, usage_object, u))
