@@ -44,6 +44,11 @@ class SamplingParams:
     # The same for every prompt token after the first (the basis of perplexity). A request
     # with prompt_logprobs computes its whole prompt: it skips the prefix cache.
     prompt_logprobs: int | None = None
+    # Parallel sampling: n sequences from one prompt, sharing its KV blocks (copy-on-write
+    # for the last, partly filled one), sequence i seeded seed + i. Greedy n > 1 is allowed
+    # and gives n identical sequences (every one takes the argmax). The engine caps n at
+    # max_num_seqs (all n run at once).
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Accept a lone string / list for convenience, store tuples so the params stay hashable.
@@ -52,6 +57,7 @@ class SamplingParams:
             self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int)
         )
         _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("n", self.n, 1, None)
         if not (_is_real(self.temperature) and self.temperature == 0):
             _check_real("temperature", self.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE,
                         "0 (greedy) or ")  # fmt: skip
@@ -228,9 +234,16 @@ class Request:
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
     num_text_chars_sent: int = 0  # output_text already handed to the caller
+    # Parallel sampling (params.n > 1): the request is the group's sequence 0 until its
+    # prompt (but the last token) is computed; then the scheduler forks `pending_samples`
+    # (sequences 1 .. n-1) off it, sharing its blocks. Every sequence answers to group_id.
+    group_id: str = ""  # the caller's request id ("" = request_id)
+    sample_index: int = 0  # which of the n sequences (its seed is params.seed + index)
+    pending_samples: list[Request] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
         self.metrics = RequestMetrics(
             arrival_time=self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids)
         )
@@ -257,6 +270,12 @@ class Request:
         return self.status.finished
 
     @property
+    def seed(self) -> int | None:
+        """This sequence's seed: the request's, + its index among the n (wrapping at 2^64)."""
+        seed = self.params.seed
+        return None if seed is None else (seed + self.sample_index) % (MAX_SEED + 1)
+
+    @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
@@ -265,14 +284,14 @@ class Request:
 class RequestOutput:
     """What callers see: cumulative tokens/text plus the delta since the previous output."""
 
-    request_id: str
+    request_id: str  # the caller's id (every one of the n sequences answers to it)
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]  # all output tokens so far
     text: str  # all output text so far
     new_token_ids: list[int]  # tokens added by this delta
     new_text: str  # text added by this delta
-    finished: bool
+    finished: bool  # this sequence is over (with n > 1 others may still run)
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     metrics: RequestMetrics
     error: str | None = None  # set when the engine failed the request
@@ -280,3 +299,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
     # One per prompt token, the first None (no context); set once the prompt is computed.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's n sequences this delta belongs to
+    # Every sequence of the request is over: the request's last delta (a stream ends on it).
+    # The engine sets it; with n = 1 it equals `finished`.
+    request_finished: bool = False

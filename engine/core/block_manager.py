@@ -12,8 +12,14 @@ Prefix caching (`enable_prefix_caching`, paged layout only), in the vLLM v1 styl
 - A freed block keeps its key and sits on the free list as "cached": reusable until it is
   handed out for new tokens, which evicts it (least recently freed first; a request's tail
   blocks are freed first, so the shared heads of prompts outlive them).
-Only full blocks are shared and a request writes K/V only past its cached prefix, so a shared
-block is never written: no copy-on-write is needed.
+A cached prefix is only ever full blocks, and a request writes K/V only past its cached
+prefix, so prefix sharing never writes a shared block.
+
+Parallel sampling (SamplingParams.n > 1) shares more: `fork` gives a new sequence the whole
+table of the one it forks from, the last, partly filled block included (ref count + 1 each).
+The first sequence that writes into a block others still hold gets a private copy first
+(`copy_on_write`: a fresh block and a (source, destination) pair the model runner copies
+before the step's forward pass); the last holder writes in place.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class BlockManager:
         # here because a block whose key was cached elsewhere first carries none itself.
         self._chain: dict[str, tuple[int, int | None]] = {}
         self.num_evictions_total = 0  # cached blocks handed out for new tokens
+        self.num_block_copies_total = 0  # copy-on-write copies of shared blocks
         self._num_cached_free = 0  # free blocks with a key (counted, not scanned, per step)
 
     # --- queries ---
@@ -153,7 +160,43 @@ class BlockManager:
             parent = key
         return blocks
 
+    def needs_copy(self, request_id: str, position: int) -> bool:
+        """Whether writing the token at `position` (0-based) hits a block other sequences
+        also hold (it must be copied first: copy_on_write)."""
+        table = self._tables.get(request_id, ())
+        index = position // self.block_size
+        return index < len(table) and self._ref_counts[table[index]] > 1
+
     # --- changes ---
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (ref count + 1), the partly filled
+        last one included: parallel sampling's shared prompt."""
+        assert child_id not in self._tables, f"{child_id} already holds blocks"
+        table = list(self._tables.get(parent_id, ()))
+        for block_id in table:
+            self._ref_counts[block_id] += 1
+        self._tables[child_id] = table
+        self._num_tokens[child_id] = self._num_tokens.get(parent_id, 0)
+        if parent_id in self._chain:
+            self._chain[child_id] = self._chain[parent_id]
+
+    def copy_on_write(self, request_id: str, position: int) -> tuple[int, int] | None:
+        """Before the request writes the token at `position`: if that block is shared, swap
+        in a private copy. Returns (source, destination) for the runner to copy, or None.
+        The caller made sure a free block exists (needs_copy counts in blocks_needed terms)."""
+        if not self.needs_copy(request_id, position):
+            return None
+        table = self._tables[request_id]
+        index = position // self.block_size
+        source = table[index]
+        destination = self._take_free_block()
+        self._ref_counts[destination] = 1
+        self._owner[destination] = request_id
+        self._ref_counts[source] -= 1  # > 0: others still hold it
+        table[index] = destination
+        self.num_block_copies_total += 1
+        return source, destination
+
     def allocate(
         self, request_id: str, num_tokens: int, prefix_blocks: Sequence[int] = ()
     ) -> list[int]:

@@ -122,7 +122,7 @@ class OutputProcessor:
         if params.prompt_logprobs is not None and self._prompt_scored(request):
             prompt_logprobs = [None, *request.prompt_logprobs]
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request.group_id,  # the caller's id, for each of the n sequences
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
@@ -135,6 +135,8 @@ class OutputProcessor:
             logprobs=logprobs,
             new_logprobs=new_logprobs,
             prompt_logprobs=prompt_logprobs,
+            index=request.sample_index,
+            request_finished=request.finished,  # the engine corrects it for n > 1
         )
 
     @staticmethod

@@ -203,39 +203,53 @@ def _envelope(
     }
 
 
-# `logprobs` below is a choice's logprobs object (engine/serving/logprobs_format.py) or None.
+# `logprobs` below is a choice's logprobs object (engine/serving/logprobs_format.py) or None;
+# `index` is the choice's index among the request's n.
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_response(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    chunk = completion_chunk(request_id, model, text, finish_reason, logprobs)
-    return {**chunk, "usage": usage_}
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
+    return _envelope(request_id, "text_completion", model, choices, usage=usage_)
 
 
 def completion_chunk(
     request_id: str, model: str, text: str, finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None, index: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = completion_choice(index, text, finish_reason, logprobs)
     return _envelope(request_id, "text_completion", model, [choice])
 
 
-def chat_response(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    return _envelope(request_id, "chat.completion", model, [choice], usage=usage_)
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_response(
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
+    return _envelope(request_id, "chat.completion", model, choices, usage=usage_)
 
 
 def chat_chunk(
     request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None, index: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope(request_id, "chat.completion.chunk", model, [choice])
 
 
@@ -256,8 +270,6 @@ def field_of(message: str) -> str | None:
 
 
 def _reject_unsupported(req: _SamplingRequest) -> None:
-    if req.n != 1:
-        raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise bad_request(f"{name}: not supported; use repetition_penalty", param=name)
@@ -320,6 +332,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int) -> Any:
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            n=req.n,  # > max_num_seqs: the engine's "n: ..." ValueError, a 400 naming n
         )
     except ValueError as e:
         message, param = str(e), field_of(str(e))
