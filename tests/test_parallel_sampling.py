@@ -173,3 +173,60 @@ def test_statuses_of_unforked_samples_after_abort(llm):
     samples = list(request.pending_samples)
     engine.abort(request.group_id)
     assert all(s.status is RequestStatus.FINISHED_ABORTED for s in samples)
+
+
+def _junk_drafts(llm: LLM, draft: list[int]) -> None:
+    """Every decoding sequence verifies `draft`: its K/V are written past the last token,
+    across block boundaries, whether accepted or not."""
+
+    def propose(running):
+        return {r.request_id: list(draft) for r in running
+                if r.num_computed_tokens + 1 == r.num_tokens and r.output_token_ids}  # fmt: skip
+
+    llm.engine.proposer.propose = propose
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_draft_writes_never_touch_a_siblings_blocks(tiny_hf_folder, layout):
+    """Drafts write K/V up to 3 positions ahead, across block boundaries; in the contiguous
+    layout the samples share their whole reservation. Each sample still equals a lone run
+    verifying the same drafts."""
+    kwargs = dict(kv_layout=layout, num_kv_blocks=128, speculative_method="ngram",
+                  num_speculative_tokens=3)  # fmt: skip
+    group, alone = _llm(tiny_hf_folder, **kwargs), _llm(tiny_hf_folder, **kwargs)
+    _junk_drafts(group, [7, 8, 9])
+    _junk_drafts(alone, [7, 8, 9])
+    params = dict(max_tokens=12, temperature=0.9, ignore_eos=True)
+    outs = group.generate(PROMPT, SamplingParams(seed=9, n=2, **params))
+    for i, out in enumerate(outs):
+        single = alone.generate(PROMPT, SamplingParams(seed=9 + i, **params))[0]
+        assert out.token_ids == single.token_ids, f"sample {i}"
+    assert group.stats().num_block_copies_total >= (1 if layout == "paged" else 2)
+    group.engine.block_manager.check_invariants()
+    assert group.stats().num_free_kv_blocks == group.stats().num_kv_blocks
+
+
+def test_static_batching_runs_a_group(tiny_hf_folder, llm):
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=4, n=2, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(PROMPT, params)]
+    static = _llm(tiny_hf_folder, batching="static")
+    assert [o.token_ids for o in static.generate(PROMPT, params)] == expected
+
+
+def test_copy_on_write_covers_every_shared_block_written():
+    """A write range over several shared blocks (contiguous reservation, drafts across a
+    boundary) copies each of them, not only the first; blocks past the table are new."""
+    from engine.core.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=16, block_size=4)
+    bm.allocate("a", 12)  # 3 blocks
+    bm.fork("a", "b")
+    assert bm.num_shared_blocks("b", 2, 10) == 3 and bm.num_shared_blocks("b", 12, 16) == 0
+    copies = bm.copy_on_write("b", 2, 10)
+    assert [s for s, _ in copies] == bm.block_table("a") and len(copies) == 3
+    assert set(bm.block_table("b")).isdisjoint(bm.block_table("a"))
+    assert bm.copy_on_write("a", 0, 12) == []  # the last holder writes in place
+    bm.check_invariants()
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 16

@@ -160,12 +160,15 @@ class BlockManager:
             parent = key
         return blocks
 
-    def needs_copy(self, request_id: str, position: int) -> bool:
-        """Whether writing the token at `position` (0-based) hits a block other sequences
-        also hold (it must be copied first: copy_on_write)."""
+    def num_shared_blocks(self, request_id: str, start: int, end: int) -> int:
+        """Blocks of the request holding token positions [start, end) that other sequences
+        also hold: writing there needs a private copy first (copy_on_write)."""
+        return len(self._shared_indices(request_id, start, end))
+
+    def _shared_indices(self, request_id: str, start: int, end: int) -> list[int]:
         table = self._tables.get(request_id, ())
-        index = position // self.block_size
-        return index < len(table) and self._ref_counts[table[index]] > 1
+        last = min(len(table), -(-end // self.block_size))  # blocks past the table are new
+        return [i for i in range(start // self.block_size, last) if self._ref_counts[table[i]] > 1]
 
     # --- changes ---
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -180,22 +183,24 @@ class BlockManager:
         if parent_id in self._chain:
             self._chain[child_id] = self._chain[parent_id]
 
-    def copy_on_write(self, request_id: str, position: int) -> tuple[int, int] | None:
-        """Before the request writes the token at `position`: if that block is shared, swap
-        in a private copy. Returns (source, destination) for the runner to copy, or None.
-        The caller made sure a free block exists (needs_copy counts in blocks_needed terms)."""
-        if not self.needs_copy(request_id, position):
-            return None
-        table = self._tables[request_id]
-        index = position // self.block_size
-        source = table[index]
-        destination = self._take_free_block()
-        self._ref_counts[destination] = 1
-        self._owner[destination] = request_id
-        self._ref_counts[source] -= 1  # > 0: others still hold it
-        table[index] = destination
-        self.num_block_copies_total += 1
-        return source, destination
+    def copy_on_write(self, request_id: str, start: int, end: int) -> list[tuple[int, int]]:
+        """Before the request writes token positions [start, end): swap a private copy in
+        for each block there that others still hold. Returns (source, destination) pairs for
+        the runner to copy. The caller made sure enough blocks are free (num_shared_blocks).
+        In the paged layout only the first block can be shared (the blocks after it are new);
+        the contiguous layout's reservation is shared whole, so any can be."""
+        table = self._tables.get(request_id, [])
+        copies = []
+        for index in self._shared_indices(request_id, start, end):
+            source = table[index]
+            destination = self._take_free_block()
+            self._ref_counts[destination] = 1
+            self._owner[destination] = request_id
+            self._ref_counts[source] -= 1  # > 0: others still hold it
+            table[index] = destination
+            copies.append((source, destination))
+        self.num_block_copies_total += len(copies)
+        return copies
 
     def allocate(
         self, request_id: str, num_tokens: int, prefix_blocks: Sequence[int] = ()

@@ -194,20 +194,15 @@ class Scheduler:
         and the blocks go (the rest run next step). Returns the budget left."""
         samples = list(request.pending_samples)
         self._fork_if_ready(request)
-        bm = self.block_manager
         for sequence in [request, *samples]:
             num_new = self._num_new_tokens(sequence, budget)
             target = sequence.num_computed_tokens + num_new
-            rid = sequence.request_id
-            needed = bm.blocks_needed(rid, target) + bm.needs_copy(
-                rid, sequence.num_computed_tokens
-            )
-            if num_new == 0 or needed > bm.num_free_blocks:
+            if (
+                num_new == 0
+                or self._blocks_to_write(sequence, target) > self.block_manager.num_free_blocks
+            ):
                 break
-            copy = bm.copy_on_write(rid, sequence.num_computed_tokens)
-            if copy is not None:
-                out.block_copies.append(copy)
-            bm.allocate(rid, target)
+            self._allocate(sequence, target, out)
             self._add(out, sequence, num_new)
             budget -= num_new
         return budget
@@ -301,18 +296,17 @@ class Scheduler:
 
     def _blocks_to_write(self, request: Request, target_tokens: int) -> int:
         """Free blocks that computing up to `target_tokens` takes: new ones, plus a private
-        copy when the first token written lands in a block other sequences share."""
+        copy of each block written that other sequences share."""
         bm, rid = self.block_manager, request.request_id
-        return bm.blocks_needed(rid, target_tokens) + bm.needs_copy(
-            rid, request.num_computed_tokens
+        start = request.num_computed_tokens
+        return bm.blocks_needed(rid, target_tokens) + bm.num_shared_blocks(
+            rid, start, target_tokens
         )
 
     def _allocate(self, request: Request, target_tokens: int, out: SchedulerOutput) -> None:
-        """Copy-on-write the block about to be written if shared, then grow the table."""
+        """Copy-on-write the shared blocks about to be written, then grow the table."""
         bm, rid = self.block_manager, request.request_id
-        copy = bm.copy_on_write(rid, request.num_computed_tokens)
-        if copy is not None:
-            out.block_copies.append(copy)
+        out.block_copies += bm.copy_on_write(rid, request.num_computed_tokens, target_tokens)
         bm.allocate(rid, target_tokens)
 
     def _preempt_group(self, victim: Request, out: SchedulerOutput) -> None:
