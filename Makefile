@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-prefix bench-spec bench-quant soak gpu-check clean
+.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-prefix bench-spec bench-quant bench-parallel soak gpu-check clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -78,6 +78,9 @@ bench-spec: setup
 # quantized layers' two paths: python -m benchmarks.quant_crossover
 bench-quant: setup
 	$(BIN)/python -m benchmarks.quant $(ARGS)
+
+bench-parallel: setup
+	$(BIN)/python -m benchmarks.parallel $(ARGS)
 
 # Not part of `make test`: 5,000 mixed requests with aborts and hang-ups (minutes on a CPU).
 # A short one: make soak ARGS='--num-requests 300 --model random:tiny'

@@ -31,7 +31,9 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        """Run prompts (strings or token-id lists) to completion; outputs in input order.
+        With SamplingParams.n > 1 a prompt gives n outputs (its sequences, by `index`) in a
+        row."""
         prompts = _as_batch(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -41,7 +43,7 @@ class LLM:
         requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         for request in requests:
             self.engine.add(request)
-        results: dict[str, RequestOutput] = {}
+        results: dict[tuple[str, int], RequestOutput] = {}
         try:
             while self.engine.has_unfinished():
                 num_steps = self.engine.num_steps
@@ -51,11 +53,11 @@ class LLM:
                     raise RuntimeError("engine: requests are left but none can be scheduled")
                 for out in outputs:
                     if out.finished:
-                        results[out.request_id] = out
+                        results[(out.request_id, out.index)] = out
         except BaseException:
             self.engine.abort_all("generation interrupted")
             raise
-        return [results[r.request_id] for r in requests]
+        return [results[(r.group_id, i)] for r in requests for i in range(r.params.n)]
 
     def chat(
         self,

@@ -17,6 +17,8 @@ MAX_TOP_K = 2**31 - 1  # values above the vocabulary keep every token
 MIN_REPETITION_PENALTY = 1e-2  # logits / penalty must stay finite in float32
 MAX_REPETITION_PENALTY = 100.0
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most 64 bits
+# Most alternatives returned per token (OpenAI's top_logprobs cap, vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,18 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS (benchmarks with exact lengths)
     # > 1 discourages tokens already in prompt or output; in [MIN_, MAX_REPETITION_PENALTY]
     repetition_penalty: float = 1.0
+    # Log-probabilities of the raw model logits (before penalty and temperature: see
+    # docs/logprobs.md). None = off; k in [0, MAX_LOGPROBS] = each generated token's logprob
+    # and rank plus the k most likely tokens at its position.
+    logprobs: int | None = None
+    # The same for every prompt token after the first (the basis of perplexity). A request
+    # with prompt_logprobs computes its whole prompt: it skips the prefix cache.
+    prompt_logprobs: int | None = None
+    # Parallel sampling: n sequences from one prompt, sharing its KV blocks (copy-on-write
+    # for the last, partly filled one), sequence i seeded seed + i. Greedy n > 1 is allowed
+    # and gives n identical sequences (every one takes the argmax). The engine caps n at
+    # max_num_seqs (all n run at once).
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Accept a lone string / list for convenience, store tuples so the params stay hashable.
@@ -43,6 +57,7 @@ class SamplingParams:
             self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int)
         )
         _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("n", self.n, 1, None)
         if not (_is_real(self.temperature) and self.temperature == 0):
             _check_real("temperature", self.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE,
                         "0 (greedy) or ")  # fmt: skip
@@ -61,6 +76,9 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: must be non-negative integers, got "
                              f"{list(self.stop_token_ids)!r}")  # fmt: skip
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, "None or ")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
 
@@ -102,6 +120,18 @@ def _as_tuple(name: str, value: object, kind: type) -> tuple:
     if not all(ok(x) for x in value):
         raise ValueError(f"{name}: must be a list of {kind.__name__}, got {list(value)!r}")
     return tuple(value)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability at its position, from log_softmax of the raw logits."""
+
+    token_id: int
+    logprob: float  # natural log; <= 0
+    rank: int  # 1 = the most likely token at this position
+    # The k most likely tokens there, most likely first: (token id, logprob); k = the
+    # request's logprobs / prompt_logprobs setting (may or may not include token_id).
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class RequestStatus(enum.Enum):
@@ -195,13 +225,25 @@ class Request:
     # Output tokens the last step appended: 1, or up to k + 1 when k drafts were verified.
     num_new_output_tokens: int = 0
     output_text: str = ""
+    # One per output token when params.logprobs is set (kept aligned with output_token_ids).
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prompt tokens 1.. (token 0 has no context) when params.prompt_logprobs is set; filled
+    # chunk by chunk during prefill and never recomputed after a preemption.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Incremental detokenization state (engine/core/detokenizer.py sets it at admission).
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
     num_text_chars_sent: int = 0  # output_text already handed to the caller
+    # Parallel sampling (params.n > 1): the request is the group's sequence 0 until its
+    # prompt (but the last token) is computed; then the scheduler forks `pending_samples`
+    # (sequences 1 .. n-1) off it, sharing its blocks. Every sequence answers to group_id.
+    group_id: str = ""  # the caller's request id ("" = request_id)
+    sample_index: int = 0  # which of the n sequences (its seed is params.seed + index)
+    pending_samples: list[Request] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
         self.metrics = RequestMetrics(
             arrival_time=self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids)
         )
@@ -228,6 +270,12 @@ class Request:
         return self.status.finished
 
     @property
+    def seed(self) -> int | None:
+        """This sequence's seed: the request's, + its index among the n (wrapping at 2^64)."""
+        seed = self.params.seed
+        return None if seed is None else (seed + self.sample_index) % (MAX_SEED + 1)
+
+    @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
@@ -236,14 +284,22 @@ class Request:
 class RequestOutput:
     """What callers see: cumulative tokens/text plus the delta since the previous output."""
 
-    request_id: str
+    request_id: str  # the caller's id (every one of the n sequences answers to it)
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]  # all output tokens so far
     text: str  # all output text so far
     new_token_ids: list[int]  # tokens added by this delta
     new_text: str  # text added by this delta
-    finished: bool
+    finished: bool  # this sequence is over (with n > 1 others may still run)
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     metrics: RequestMetrics
     error: str | None = None  # set when the engine failed the request
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry (params.logprobs)
+    new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
+    # One per prompt token, the first None (no context); set once the prompt is computed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's n sequences this delta belongs to
+    # Every sequence of the request is over: the request's last delta (a stream ends on it).
+    # The engine sets it; with n = 1 it equals `finished`.
+    request_finished: bool = False

@@ -36,3 +36,11 @@ def llm_f32(make_llm):
 def tiny_llm(make_llm):
     """A 2-layer random model: fast tests of engine mechanics."""
     return make_llm(model="random:tiny", dtype="float32", max_model_len=256, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_folder(tmp_path_factory):
+    """A tiny random Llama as a local Hugging Face folder (tests/tiny_hf.py), float32."""
+    from tiny_hf import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

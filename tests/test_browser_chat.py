@@ -110,3 +110,21 @@ def test_numeric_fields_are_refused_visibly_not_rounded(page):
         box.fill("-1")
         box.press("Tab")
         wait_text(page, "#chat-status", r"^\s*$", 10)
+
+
+def test_n_replies_show_side_by_side(page):
+    """The n control: three replies to one message, laid out in three columns (the chatbot
+    keeps the classes theme.css styles)."""
+    page.locator("#chat-clear").click()
+    set_number(page, "tab-chat", "number input for Replies (n, side by side)", 3)
+    set_number(page, "tab-chat", "number input for Max new tokens", 8)
+    page.fill("#chat-input textarea", "Name a color.")
+    page.click("#chat-send")
+    wait_text(page, "#chatbot", r"TTFT \d+ ms", 60)
+    columns = page.locator("#chatbot .pg-replies .pg-reply")
+    expect(columns).to_have_count(3)
+    boxes = [columns.nth(i).bounding_box() for i in range(3)]
+    assert boxes[0]["x"] < boxes[1]["x"] < boxes[2]["x"], boxes  # side by side
+    assert abs(boxes[0]["y"] - boxes[2]["y"]) < 2, boxes  # on one row
+    expect(columns.nth(0)).to_contain_text("Reply 1 (continues)")
+    set_number(page, "tab-chat", "number input for Replies (n, side by side)", 1)

@@ -185,7 +185,7 @@ BAD_COMPLETIONS = [
     ({"extra_body": {"top_k": 0}}, "top_k"),
     ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 33}, "n"),  # above max_num_seqs (n <= 32 is served: test_server_parallel.py)
     ({"model": "no-such-model"}, "model"),
     ({"prompt": [7] * (MAX_MODEL_LEN + 10)}, "prompt"),  # too long
     ({"prompt": ""}, "prompt"),
@@ -193,9 +193,9 @@ BAD_COMPLETIONS = [
     ({"prompt": ["a", "b"]}, "prompt"),  # batches are not served
     ({"stop": [""]}, "stop"),
     ({"extra_body": {"seed": "abc"}}, "seed"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),  # above MAX_LOGPROBS (tests/test_server_logprobs.py)
     ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"echo": True}, "echo"),
+    ({"suffix": "x"}, "suffix"),
 ]
 
 
@@ -214,7 +214,7 @@ BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"n": 3}, "n"),
+    ({"n": 0}, "n"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x " * MAX_MODEL_LEN}]}, "prompt"),
 ]

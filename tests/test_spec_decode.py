@@ -207,10 +207,22 @@ def test_proposer_drafts_only_for_decoding_requests_within_their_limits():
     from engine.request import Request
 
     proposer = NgramProposer(EngineConfig(speculative_method="ngram", num_speculative_tokens=4))
-    prompt = [1, 2, 3, 4, 5, 6, 1, 2]  # "1 2" recurs: the draft is what followed, 3 4 5 6
-    decoding = Request("d", prompt, SamplingParams(max_tokens=10), 0.0, max_total_tokens=64)
-    decoding.num_computed_tokens = len(prompt) - 1
-    short = Request("s", prompt, SamplingParams(max_tokens=3), 0.0, max_total_tokens=64)
-    short.num_computed_tokens = len(prompt) - 1  # room for 3 tokens: 2 drafts + 1
-    prefilling = Request("p", prompt, SamplingParams(max_tokens=10), 0.0, max_total_tokens=64)
-    assert proposer.propose([decoding, short, prefilling]) == {"d": [3, 4, 5, 6], "s": [3, 4]}
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]  # "1 2" recurs: the draft is what followed, 3 4 5 6
+    prompt = tokens[:-1]  # and one output token, 2: decoding
+
+    def make(rid: str, max_tokens: int, num_output: int = 1) -> Request:
+        r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), 0.0, max_total_tokens=64)
+        r.output_token_ids = tokens[len(prompt) :][:num_output]
+        r.num_computed_tokens = len(prompt) + num_output - 1
+        return r
+
+    decoding = make("d", 10)
+    short = make("s", 4)  # 1 output token, room for 3 more: 2 drafts + 1
+    prefilling = Request("p", tokens, SamplingParams(max_tokens=10), 0.0, max_total_tokens=64)
+    # The last prompt token computed alone (a final 1-token chunk, or a parallel-sampling
+    # sequence after its fork): its first token comes without drafts.
+    last_prompt_token = Request("l", tokens, SamplingParams(max_tokens=10), 0.0,
+                                max_total_tokens=64)  # fmt: skip
+    last_prompt_token.num_computed_tokens = len(tokens) - 1
+    proposed = proposer.propose([decoding, short, prefilling, last_prompt_token])
+    assert proposed == {"d": [3, 4, 5, 6], "s": [3, 4]}

@@ -4,6 +4,7 @@ engine), then the app launched in-process and driven through gradio_client."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import socket
@@ -702,3 +703,17 @@ def test_live_summary_reports_prefix_cache_hits_once_used():
     assert "speculative" not in summary_markdown(stats, 4)
     stats = EngineStats(**base, num_draft_tokens_total=80, num_accepted_tokens_total=20)
     assert "speculative: 20 of 80 draft tokens accepted (25 %)" in summary_markdown(stats, 4)
+
+
+def test_batch_timeline_marks_copy_on_write_steps():
+    """Parallel sampling's block copies show as markers, per step and summed per time bin."""
+    steps = [_step(i, "decode", 3) for i in range(6)]
+    steps[2] = dataclasses.replace(steps[2], num_block_copies=2)
+    fig = batch_timeline_figure(steps)
+    cow = [t for t in fig.data if t.name == "copy-on-write"]
+    assert len(cow) == 1 and list(cow[0].customdata) == [2] and len(cow[0].x) == 1
+    assert not [t for t in batch_timeline_figure(steps[:2]).data if t.name == "copy-on-write"]
+    many = [dataclasses.replace(_step(i, "decode", 3), num_block_copies=1) for i in range(300)]
+    binned = batch_timeline_figure(many, many[-1].start_time + 0.1, window_s=120.0)
+    cow = next(t for t in binned.data if t.name == "copy-on-write")
+    assert sum(cow.customdata) == 300

@@ -12,8 +12,14 @@ Prefix caching (`enable_prefix_caching`, paged layout only), in the vLLM v1 styl
 - A freed block keeps its key and sits on the free list as "cached": reusable until it is
   handed out for new tokens, which evicts it (least recently freed first; a request's tail
   blocks are freed first, so the shared heads of prompts outlive them).
-Only full blocks are shared and a request writes K/V only past its cached prefix, so a shared
-block is never written: no copy-on-write is needed.
+A cached prefix is only ever full blocks, and a request writes K/V only past its cached
+prefix, so prefix sharing never writes a shared block.
+
+Parallel sampling (SamplingParams.n > 1) shares more: `fork` gives a new sequence the whole
+table of the one it forks from, the last, partly filled block included (ref count + 1 each).
+The first sequence that writes into a block others still hold gets a private copy first
+(`copy_on_write`: a fresh block and a (source, destination) pair the model runner copies
+before the step's forward pass); the last holder writes in place.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class BlockManager:
         # here because a block whose key was cached elsewhere first carries none itself.
         self._chain: dict[str, tuple[int, int | None]] = {}
         self.num_evictions_total = 0  # cached blocks handed out for new tokens
+        self.num_block_copies_total = 0  # copy-on-write copies of shared blocks
         self._num_cached_free = 0  # free blocks with a key (counted, not scanned, per step)
 
     # --- queries ---
@@ -153,7 +160,48 @@ class BlockManager:
             parent = key
         return blocks
 
+    def num_shared_blocks(self, request_id: str, start: int, end: int) -> int:
+        """Blocks of the request holding token positions [start, end) that other sequences
+        also hold: writing there needs a private copy first (copy_on_write)."""
+        return len(self._shared_indices(request_id, start, end))
+
+    def _shared_indices(self, request_id: str, start: int, end: int) -> list[int]:
+        table = self._tables.get(request_id, ())
+        last = min(len(table), -(-end // self.block_size))  # blocks past the table are new
+        return [i for i in range(start // self.block_size, last) if self._ref_counts[table[i]] > 1]
+
     # --- changes ---
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (ref count + 1), the partly filled
+        last one included: parallel sampling's shared prompt."""
+        assert child_id not in self._tables, f"{child_id} already holds blocks"
+        table = list(self._tables.get(parent_id, ()))
+        for block_id in table:
+            self._ref_counts[block_id] += 1
+        self._tables[child_id] = table
+        self._num_tokens[child_id] = self._num_tokens.get(parent_id, 0)
+        if parent_id in self._chain:
+            self._chain[child_id] = self._chain[parent_id]
+
+    def copy_on_write(self, request_id: str, start: int, end: int) -> list[tuple[int, int]]:
+        """Before the request writes token positions [start, end): swap a private copy in
+        for each block there that others still hold. Returns (source, destination) pairs for
+        the runner to copy. The caller made sure enough blocks are free (num_shared_blocks).
+        In the paged layout only the first block can be shared (the blocks after it are new);
+        the contiguous layout's reservation is shared whole, so any can be."""
+        table = self._tables.get(request_id, [])
+        copies = []
+        for index in self._shared_indices(request_id, start, end):
+            source = table[index]
+            destination = self._take_free_block()
+            self._ref_counts[destination] = 1
+            self._owner[destination] = request_id
+            self._ref_counts[source] -= 1  # > 0: others still hold it
+            table[index] = destination
+            copies.append((source, destination))
+        self.num_block_copies_total += len(copies)
+        return copies
+
     def allocate(
         self, request_id: str, num_tokens: int, prefix_blocks: Sequence[int] = ()
     ) -> list[int]:

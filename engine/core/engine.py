@@ -22,7 +22,13 @@ from engine.core.chat_template import tokenize_chat
 from engine.core.output import OutputProcessor
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.spec_decode import NgramProposer
-from engine.request import Request, RequestOutput, SamplingParams, new_request_id
+from engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    new_request_id,
+)
 from engine.runner.model_loader import load_tokenizer, resolve_model
 from engine.runner.model_runner import ModelRunner
 from engine.telemetry.cost import ModelShape
@@ -91,7 +97,9 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.proposer = NgramProposer(config) if config.speculative_method == "ngram" else None
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # every sequence, by its own id
+        # The caller's request id -> its sequences (one, or n with parallel sampling).
+        self._groups: dict[str, list[Request]] = {}
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.source.arch.eos_token_ids)
@@ -159,25 +167,49 @@ class LLMEngine:
                 "the most one step computes without chunked prefill; shorten it, raise "
                 "max_num_batched_tokens or enable chunked prefill"
             )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n: {params.n} sequences exceed max_num_seqs={self.config.max_num_seqs}, the "
+                "most that run at once (all n of a request run together)"
+            )
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         blocks = self.block_manager.max_blocks_for(max_total)
+        if params.n > 1 and blocks * params.n > self.block_manager.num_blocks:
+            # Shared prompt blocks aside, n full-length sequences must fit at once, or the
+            # group (preempted as a unit) could never finish.
+            raise ValueError(
+                f"n: {params.n} sequences need up to {blocks * params.n} KV blocks "
+                f"({max_total} tokens each) but the cache has only "
+                f"{self.block_manager.num_blocks}; lower n or max_tokens, or grow the cache"
+            )
         if blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt: this request needs up to {blocks} KV blocks "
                 f"({max_total} tokens, {self.config.kv_layout} layout) but the cache has only "
                 f"{self.block_manager.num_blocks}; shorten it, lower max_tokens or grow the cache"
             )
-        request = Request(
-            request_id=request_id or new_request_id(),
-            prompt_token_ids=prompt_ids,
-            params=params,
-            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-            prompt=prompt if isinstance(prompt, str) else None,
-            eos_token_ids=self.eos_token_ids,
-            max_total_tokens=max_total,
-        )
-        self.outputs.start(request)
-        return request
+        group_id = request_id or new_request_id()
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        # n = 1: one sequence under the caller's id. n > 1: "<id>#<i>" each; sequence 0 comes
+        # back, carrying the others until they fork off it (scheduler._fork_if_ready).
+        sequences = [
+            Request(
+                request_id=group_id if params.n == 1 else f"{group_id}#{i}",
+                prompt_token_ids=prompt_ids if i == 0 else list(prompt_ids),
+                params=params,
+                arrival_time=arrival,
+                prompt=prompt if isinstance(prompt, str) else None,
+                eos_token_ids=self.eos_token_ids,
+                max_total_tokens=max_total,
+                group_id=group_id,
+                sample_index=i,
+            )
+            for i in range(params.n)
+        ]
+        for sequence in sequences:
+            self.outputs.start(sequence)
+        sequences[0].pending_samples = sequences[1:]
+        return sequences[0]
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The default max_tokens for a prompt (as vLLM): the rest of max_model_len, capped by
@@ -187,31 +219,73 @@ class LLMEngine:
         return max(1, room)
 
     def add(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
-        self._requests[request.request_id] = request
+        if request.group_id in self._groups:
+            raise ValueError(f"request_id: {request.group_id!r} is already in the engine")
+        sequences = [request, *request.pending_samples]
+        self._groups[request.group_id] = sequences
+        for sequence in sequences:
+            self._requests[sequence.request_id] = sequence
         self.scheduler.add_request(request)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:  # fmt: skip
         request = self.make_request(prompt, params, request_id)
         self.add(request)
-        return request.request_id
+        return request.group_id  # the caller's id (sequence i of n > 1 is "<id>#<i>")
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        request = self.scheduler.abort(request_id)
-        if request is None:
-            return None
+        """Abort a request (all its n sequences); returns its last output, or None if it
+        is not in the engine."""
+        outputs = self._abort(request_id)
+        return outputs[-1] if outputs else None
+
+    def _abort(self, request_id: str) -> list[RequestOutput]:
+        """Abort a caller's request (every sequence of it) or one sequence by its own id;
+        returns the final outputs of the sequences that were still running."""
+        sequences = self._groups.get(request_id)
+        if sequences is None:
+            one = self._requests.get(request_id)
+            sequences = [one] if one is not None else []
+        outputs: list[RequestOutput] = []
+        for sequence in sequences:
+            outputs += self._abort_sequence(sequence)
+        return self._mark_request_finished(outputs)
+
+    def _abort_sequence(self, request: Request) -> list[RequestOutput]:
+        if request.finished:
+            return []
+        if self.scheduler.abort(request.request_id) is None:  # a sample not forked yet
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.metrics.finish_time = time.perf_counter()
         self._release([request])
-        return self.outputs.final_output(request)
+        outputs = [self.outputs.final_output(request)]
+        samples, request.pending_samples = request.pending_samples, []
+        for sample in samples:  # nothing left to fork them off
+            outputs += self._abort_sequence(sample)
+        return outputs
 
     def abort_all(self, error: str | None = None) -> list[RequestOutput]:
         outputs = []
-        for request_id in list(self._requests):
-            out = self.abort(request_id)
-            if out is not None:
+        for request_id in list(self._groups):
+            for out in self._abort(request_id):
                 out.error = error
                 outputs.append(out)
+        return outputs
+
+    def _mark_request_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Set request_finished on the last output of each request with no running sequence
+        left (only the last: a stream ends on it, so the n sequences' final deltas of one
+        step must all come before it), and forget those requests."""
+        seen = set()
+        for out in reversed(outputs):
+            if out.request_id in seen:
+                out.request_finished = False
+                continue
+            seen.add(out.request_id)
+            sequences = self._groups.get(out.request_id, ())
+            out.request_finished = all(s.finished for s in sequences)
+            if out.request_finished:
+                self._groups.pop(out.request_id, None)
         return outputs
 
     @property
@@ -237,12 +311,18 @@ class LLMEngine:
             return self._fail_step(sched, exc)
         # Requests whose sampling raised fail alone, before update(), which then skips them
         # (no longer running) and advances the rest exactly as if they had run without them.
-        outputs = [self._fail(rid, f"engine error: {why}") for rid, why in result.failed.items()]
-        touched = self.scheduler.update(sched, result.sampled, time.perf_counter())
+        outputs = [
+            out
+            for rid, why in result.failed.items()
+            for out in self._fail(rid, f"engine error: {why}")
+        ]
+        touched = self.scheduler.update(
+            sched, result.sampled, time.perf_counter(), result.logprobs, result.prompt_logprobs
+        )
         outputs += self.outputs.process(touched)  # may finish requests (stop strings, errors)
         self._release([request for request in touched if request.finished])
         self.recorder.record_step(start, sched, result.sampled, time.perf_counter())
-        return [out for out in outputs if out is not None]
+        return self._mark_request_finished(outputs)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """The forward pass raised: fail every request of the step with the error and carry on.
@@ -257,15 +337,15 @@ class LLMEngine:
                          self.num_steps, len(sched.scheduled))  # fmt: skip
         self.recorder.record_step_failure()
         error = f"engine error: forward pass failed: {type(exc).__name__}: {exc}"
-        outputs = [self._fail(s.request.request_id, error) for s in sched.scheduled]
-        return [out for out in outputs if out is not None]
+        return [out for s in sched.scheduled for out in self._fail(s.request.request_id, error)]
 
-    def _fail(self, request_id: str, error: str) -> RequestOutput | None:
-        """Abort one request because the engine failed it; its final output carries `error`."""
-        out = self.abort(request_id)
-        if out is not None:
+    def _fail(self, request_id: str, error: str) -> list[RequestOutput]:
+        """Abort one sequence because the engine failed it; its final output carries `error`
+        (the other sequences of its request, if any, go on)."""
+        outputs = self._abort(request_id)
+        for out in outputs:
             out.error = error
-        return out
+        return outputs
 
     def _release(self, finished: Iterable[Request]) -> None:
         """Forget finished requests: drop the runner's per-request state, record them."""
@@ -293,6 +373,7 @@ class LLMEngine:
             num_prefix_evictions_total=self.block_manager.num_evictions_total,
             num_draft_tokens_total=recorder.num_draft_tokens_total,
             num_accepted_tokens_total=recorder.num_accepted_tokens_total,
+            num_block_copies_total=self.block_manager.num_block_copies_total,
             num_steps_total=recorder.num_steps,
             num_step_failures_total=recorder.num_step_failures_total,
             steps=recorder.step_history.snapshot(),

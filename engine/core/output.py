@@ -74,6 +74,12 @@ class OutputProcessor:
         if num_new <= 1 or not request.params.stop:
             self._extend_text(request, final=request.finished)
             return
+        self._cut_at_stop_string(request, num_new)
+        # Tokens dropped after a stop string drop their logprobs too (kept one per token).
+        del request.output_logprobs[request.num_output_tokens :]
+
+    def _cut_at_stop_string(self, request: Request, num_new: int) -> None:
+        """Re-add the step's tokens one at a time; drop those after a completed stop string."""
         tokens = request.output_token_ids[-num_new:]
         del request.output_token_ids[-num_new:]
         for i, token in enumerate(tokens):
@@ -108,8 +114,15 @@ class OutputProcessor:
         sent = request.num_text_chars_sent
         new_text = request.output_text[sent:sendable] if sendable > sent else ""
         request.num_text_chars_sent = max(sent, sendable)
+        params = request.params
+        logprobs = new_logprobs = prompt_logprobs = None
+        if params.logprobs is not None:
+            logprobs = list(request.output_logprobs)
+            new_logprobs = logprobs[len(logprobs) - len(new_token_ids) :]
+        if params.prompt_logprobs is not None and self._prompt_scored(request):
+            prompt_logprobs = [None, *request.prompt_logprobs]
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request.group_id,  # the caller's id, for each of the n sequences
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
@@ -119,4 +132,14 @@ class OutputProcessor:
             finished=request.finished,
             finish_reason=request.finish_reason,
             metrics=request.metrics,
+            logprobs=logprobs,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            index=request.sample_index,
+            request_finished=request.finished,  # the engine corrects it for n > 1
         )
+
+    @staticmethod
+    def _prompt_scored(request: Request) -> bool:
+        """Every prompt token after the first has its logprob (an abort mid-prefill: not)."""
+        return len(request.prompt_logprobs) == request.num_prompt_tokens - 1

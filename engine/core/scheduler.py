@@ -8,6 +8,14 @@ later). Waiting requests are admitted while the budget, the sequence cap and the
 with prefix caching an admitted request first shares its longest cached prefix of full blocks
 (BlockManager.lookup_prefix) and starts computing after it.
 
+Parallel sampling (SamplingParams.n > 1): the group's sequence 0 computes the prompt but its
+last token; then the others fork off it (`_fork_if_ready`), sharing its blocks, and each
+computes the last prompt token itself and samples from there with its own generator. The
+block written first in a shared block is copied (copy-on-write; `SchedulerOutput.block_copies`).
+A group is preempted as a unit, by recompute: every running sequence of it frees its blocks
+and re-enters the waiting queue; readmitted, each recomputes its own prompt + output (sharing
+again only what the prefix cache holds).
+
 `batching="static"` is the pre-Orca baseline: a batch is admitted only when the previous one
 has completely finished, so no request joins a running batch and early finishers leave holes.
 
@@ -22,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, TokenLogprob
 
 
 @dataclass
@@ -70,6 +78,9 @@ class SchedulerOutput:
     # Prefix cache, for requests admitted this step: tokens looked up, tokens found cached.
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    # Copy-on-write: (source block, destination block) pairs the runner copies (all layers,
+    # K and V) before the forward pass, so a sequence writes into a private copy.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -147,19 +158,19 @@ class Scheduler:
                 break  # the request preempted itself; nothing after it can run either
             self._add(out, request, num_new, draft)
             budget -= num_new
-            i += 1
+            i = self.running.index(request) + 1  # a preempted group may have left before it
 
         # 2) Waiting requests (continuous only), unless this step had to preempt: the blocks
         #    are too scarce to take on more work.
         if not self.static and not out.preempted_ids:
             bm = self.block_manager
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and budget > 0 and self._has_room_for(self.waiting[0]):
                 request = self.waiting[0]
                 # Fresh (or preempted) requests start from their longest cached prefix.
                 prefix = self._cached_prefix(request)
                 cached_tokens = len(prefix) * bm.block_size
                 num_new = self._num_new_tokens(request, budget, skip=cached_tokens)
-                if num_new == 0:
+                if num_new == 0 and not request.pending_samples:
                     break
                 target = request.num_computed_tokens + cached_tokens + num_new
                 if not bm.can_allocate(request.request_id, target, prefix):
@@ -170,15 +181,61 @@ class Scheduler:
                 bm.allocate(request.request_id, target)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                if num_new == 0:  # n > 1 with nothing before the fork point: fork now
+                    budget = self._fork_at_admission(request, budget, out)
+                    continue
                 self._add(out, request, num_new)
                 budget -= num_new
         return out
+
+    def _fork_at_admission(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Fork a group whose prompt is all cached but the last token (or one token long)
+        and schedule each sequence's last prompt token in this step, as far as the budget
+        and the blocks go (the rest run next step). Returns the budget left."""
+        samples = list(request.pending_samples)
+        self._fork_if_ready(request)
+        for sequence in [request, *samples]:
+            num_new = self._num_new_tokens(sequence, budget)
+            target = sequence.num_computed_tokens + num_new
+            if (
+                num_new == 0
+                or self._blocks_to_write(sequence, target) > self.block_manager.num_free_blocks
+            ):
+                break
+            self._allocate(sequence, target, out)
+            self._add(out, sequence, num_new)
+            budget -= num_new
+        return budget
+
+    def _num_seqs(self) -> int:
+        """Sequences running, counting the samples of a group not forked yet."""
+        return sum(1 + len(r.pending_samples) for r in self.running)
+
+    def _has_room_for(self, request: Request) -> bool:
+        """max_num_seqs holds with the request and its samples to come (n at once)."""
+        return self._num_seqs() + 1 + len(request.pending_samples) <= self.max_num_seqs
+
+    def _fork_if_ready(self, request: Request) -> None:
+        """Parallel sampling: once the group's sequence 0 has computed every prompt token but
+        the last, the other n - 1 sequences fork off it (sharing all its blocks, the partly
+        filled last one included) and run beside it from the next step."""
+        if not request.pending_samples or request.num_computed_tokens < request.num_tokens - 1:
+            return
+        for sample in request.pending_samples:
+            self.block_manager.fork(request.request_id, sample.request_id)
+            sample.num_computed_tokens = request.num_computed_tokens
+            sample.prompt_logprobs = list(request.prompt_logprobs)
+            sample.metrics.first_scheduled_time = request.metrics.first_scheduled_time
+            sample.metrics.num_cached_tokens = request.metrics.num_cached_tokens
+            sample.status = RequestStatus.RUNNING
+            self.running.append(sample)
+        request.pending_samples = []
 
     def _admit_static_batch(self, out: SchedulerOutput) -> None:
         """Static batching: take up to max_num_seqs waiting requests whose prompts all fit."""
         bm = self.block_manager
         blocks_left = bm.num_free_blocks
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and self._has_room_for(self.waiting[0]):
             request = self.waiting[0]
             prefix = self._cached_prefix(request)
             blocks = bm.blocks_needed(request.request_id, request.num_tokens, prefix)
@@ -190,11 +247,18 @@ class Scheduler:
                 self._start_from_prefix(request, prefix, out)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._fork_if_ready(request)  # n > 1 with nothing before the fork point
 
     def _cached_prefix(self, request: Request) -> list[int]:
-        """The request's longest cached run of full blocks ([] when prefix caching is off)."""
+        """The request's longest cached run of full blocks ([] when prefix caching is off).
+
+        A request asking for prompt_logprobs takes no cached prefix: cached tokens are never
+        run through the model, so they would have no logits to score. It computes its whole
+        prompt (and its full blocks still enter the cache for others)."""
         bm = self.block_manager
-        return bm.lookup_prefix(request.all_token_ids) if bm.enable_prefix_caching else []
+        if not bm.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []
+        return bm.lookup_prefix(request.all_token_ids)
 
     def _start_from_prefix(self, request: Request, prefix: list[int], out: SchedulerOutput) -> None:
         """Count the lookup; share the cached prefix blocks, if any, and skip those tokens."""
@@ -207,8 +271,10 @@ class Scheduler:
         out.num_prefix_hit_tokens += cached_tokens
 
     def _num_new_tokens(self, request: Request, budget: int, skip: int = 0) -> int:
-        """Tokens to compute this step; `skip` more are already cached (prefix hit)."""
-        num_new = request.num_tokens - request.num_computed_tokens - skip
+        """Tokens to compute this step; `skip` more are already cached (prefix hit). A group
+        not forked yet stops before its last prompt token (each sequence computes that one)."""
+        end = request.num_tokens - 1 if request.pending_samples else request.num_tokens
+        num_new = end - request.num_computed_tokens - skip
         if num_new > budget:
             if not self.enable_chunked_prefill:
                 # Unchunked work larger than the whole budget (a preempted request recomputing
@@ -219,15 +285,44 @@ class Scheduler:
         return num_new
 
     def _reserve(self, request: Request, target_tokens: int, out: SchedulerOutput) -> bool:
-        """Allocate blocks for `request`, preempting the newest running requests if needed."""
-        bm = self.block_manager
-        while not bm.can_allocate(request.request_id, target_tokens):
-            victim = self.running[-1]
-            self._preempt(victim, out)
-            if victim is request:
+        """Allocate blocks for `request` (a private copy first if it writes into a shared
+        block), preempting the newest running requests (whole groups) if needed."""
+        while self._blocks_to_write(request, target_tokens) > self.block_manager.num_free_blocks:
+            self._preempt_group(self.running[-1], out)
+            if request.status is RequestStatus.PREEMPTED:
                 return False
-        bm.allocate(request.request_id, target_tokens)
+        self._allocate(request, target_tokens, out)
         return True
+
+    def _blocks_to_write(self, request: Request, target_tokens: int) -> int:
+        """Free blocks that computing up to `target_tokens` takes: new ones, plus a private
+        copy of each block written that other sequences share."""
+        bm, rid = self.block_manager, request.request_id
+        start = request.num_computed_tokens
+        return bm.blocks_needed(rid, target_tokens) + bm.num_shared_blocks(
+            rid, start, target_tokens
+        )
+
+    def _allocate(self, request: Request, target_tokens: int, out: SchedulerOutput) -> None:
+        """Copy-on-write the shared blocks about to be written, then grow the table."""
+        bm, rid = self.block_manager, request.request_id
+        out.block_copies += bm.copy_on_write(rid, request.num_computed_tokens, target_tokens)
+        bm.allocate(rid, target_tokens)
+
+    def _preempt_group(self, victim: Request, out: SchedulerOutput) -> None:
+        """Preempt the victim and every running sequence of its group (a unit: recompute).
+        Members already scheduled this step leave the step (their blocks are gone)."""
+        group = victim.group_id
+        members = [r for r in self.running if r.group_id == group]
+        for s in out.scheduled:  # counted by their state before the preemption resets it
+            if s.request.group_id == group:
+                if s.is_decode:
+                    out.num_decode_tokens -= s.num_new_tokens
+                else:
+                    out.num_prefill_tokens -= s.num_new_tokens
+        out.scheduled = [s for s in out.scheduled if s.request.group_id != group]
+        for request in reversed(members):  # appendleft: the group keeps its order
+            self._preempt(request, out)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         # Recompute-style preemption: drop the KV, keep the tokens; the request re-enters
@@ -256,13 +351,22 @@ class Scheduler:
 
     # --- after the model ran ---
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float | None = None
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        now: float | None = None,
+        logprobs: Mapping[str, list[TokenLogprob]] | None = None,
+        prompt_logprobs: Mapping[str, list[TokenLogprob]] | None = None,
     ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish requests at a token stop.
 
         `sampled` has one token per request that reached its end, or several when drafts were
-        verified (accepted drafts + one). Returns the requests that got tokens or finished.
+        verified (accepted drafts + one). `logprobs` has one entry per sampled token (requests
+        that asked), `prompt_logprobs` the prompt tokens this step scored. Returns the requests
+        that got tokens or finished.
         """
+        logprobs = logprobs or {}
+        prompt_logprobs = prompt_logprobs or {}
         now = time.perf_counter() if now is None else now
         touched: list[Request] = []
         for item in out.scheduled:
@@ -270,13 +374,17 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted later in the same step (its work is discarded)
             tokens = sampled.get(request.request_id, [])
+            request.prompt_logprobs.extend(prompt_logprobs.get(request.request_id, ()))
+            token_logprobs = logprobs.get(request.request_id)
             # K/V stay valid up to the last accepted draft; rejected drafts' slots get
             # overwritten later (no attention reads past num_computed_tokens).
             num_rejected = item.num_draft_tokens - max(0, len(tokens) - 1)
             request.num_computed_tokens += item.num_new_tokens - num_rejected
             status = None
-            for token in tokens:
+            for i, token in enumerate(tokens):
                 request.output_token_ids.append(token)
+                if token_logprobs is not None:
+                    request.output_logprobs.append(token_logprobs[i])
                 request.metrics.token_times.append(now)
                 status = self._token_stop(request, token)
                 if status is not None:
@@ -293,6 +401,7 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(
                     request.request_id, request.all_token_ids, request.num_computed_tokens
                 )
+            self._fork_if_ready(request)
             if not tokens:
                 continue
             if request.metrics.first_token_time is None:

@@ -47,6 +47,11 @@ class NgramProposer:
         for request in running:
             if request.num_computed_tokens + 1 != request.num_tokens:
                 continue  # still prefilling
+            if not request.output_token_ids:
+                # The first token comes from the prompt's last logits, without drafts: so
+                # does a parallel-sampling sequence's (it computes the last prompt token on
+                # its own), which keeps sample i equal to a lone request seeded seed + i.
+                continue
             room = min(
                 self.num_speculative_tokens,
                 request.params.max_tokens - request.num_output_tokens - 1,

@@ -10,7 +10,7 @@ import logging
 import math
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,12 +23,14 @@ from engine.request import Request, SamplingParams
 from engine.runner.attention import default_backend_name, get_backend
 from engine.runner.attention.base import AttentionBackend, AttentionInputs
 from engine.runner.cuda_graphs import CudaGraphRunner
+from engine.runner.logprobs import add_logprobs, prompt_logit_rows
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.onednn_cache import bound_onednn_caches
 from engine.runner.quant import QuantSummary, load_awq, quantize_model
 from engine.runner.quant.awq import check_awq_config
 from engine.runner.sampler import sample
+from engine.runner.step_io import RunnerOutput, StepInputs, fail_request
 
 logger = logging.getLogger(__name__)
 
@@ -55,37 +57,6 @@ class KVCacheSpec:
     num_blocks: int
     block_size: int  # tokens per block
     bytes_per_block: int  # K and V, all layers
-
-
-@dataclass(frozen=True)
-class RunnerOutput:
-    """What one step produced: the runner's single message back to the engine."""
-
-    # Request id -> new tokens: one sampled token, or the accepted drafts plus one. Only for
-    # requests that reached their end this step and did not fail.
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    # Request id -> why its sampling or verification raised (it alone failed; the engine
-    # aborts it with this message, the step's other requests keep their tokens).
-    failed: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One step's requests packed decode-first, as host lists (tensors are made per path)."""
-
-    requests: list[ScheduledRequest]  # decodes (one new token each) first, then the rest
-    num_decodes: int
-    input_ids: list[int]  # [T]: each request's new tokens, then its draft tokens
-    positions: list[int]  # [T]
-    slots: list[int]  # [T] KV slot of each new token
-
-    @property
-    def decodes(self) -> list[ScheduledRequest]:
-        return self.requests[: self.num_decodes]
-
-    @property
-    def prefills(self) -> list[ScheduledRequest]:
-        return self.requests[self.num_decodes :]
 
 
 class ModelRunner:
@@ -116,6 +87,12 @@ class ModelRunner:
         self.kv_caches = [
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)
         ]
+        # The block axis of kv_cache (after layers and K/V): where the backend's layout puts
+        # it, found as the one axis that grows with the number of blocks.
+        one, two = self.attn_backend.kv_cache_shape(1), self.attn_backend.kv_cache_shape(2)
+        self._block_axis = 2 + next(
+            i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b
+        )
         if self._use_cuda_graphs():
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, self.kv_caches, config.max_num_seqs, max_model_len
@@ -229,12 +206,25 @@ class ModelRunner:
         and the requests whose sampling failed. A failure of the forward pass itself raises."""
         step = self._prepare_inputs(out)
         with torch.inference_mode():
+            if out.block_copies:
+                self._copy_blocks(out.block_copies)
             hidden = self._forward(step)
             picks, rows = self._logit_rows(step)
+            prompt_rows = prompt_logit_rows(step, rows)
             if not rows:
                 return RunnerOutput()
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-            return self._sample_and_verify(logits, picks)
+            result = self._sample_and_verify(logits, picks)
+            add_logprobs(logits, picks, prompt_rows, result)
+            return result
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each destination block gets the source's K and V in every layer,
+        before the forward pass writes this step's tokens into the destination."""
+        axis = self._block_axis
+        source = torch.tensor([s for s, _ in pairs], device=self.device)
+        destination = torch.tensor([d for _, d in pairs], device=self.device)
+        self.kv_cache.index_copy_(axis, destination, self.kv_cache.index_select(axis, source))
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
@@ -316,7 +306,7 @@ class ModelRunner:
                         self._generator(r), _penalty_history(r),
                     )  # fmt: skip
                 except Exception as exc:  # verification is per request already
-                    self._fail_request(r, "draft verification", exc, result)
+                    fail_request(r, "draft verification", exc, result)
         return result
 
     def _sample_batch(
@@ -362,21 +352,16 @@ class ModelRunner:
                     [_penalty_history(r)],
                 )[0]  # fmt: skip
             except Exception as exc:
-                self._fail_request(r, "sampling", exc, result)
+                fail_request(r, "sampling", exc, result)
                 continue
             result.sampled[r.request_id] = [token]
-
-    @staticmethod
-    def _fail_request(request: Request, stage: str, exc: Exception, result: RunnerOutput) -> None:
-        logger.exception("request %s failed in %s", request.request_id, stage)
-        result.failed[request.request_id] = f"{stage} failed: {type(exc).__name__}: {exc}"
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.params.greedy:
             return None
         gen = self._generators.get(request.request_id)
         if gen is None:
-            seed = request.params.seed
+            seed = request.seed  # params.seed + the sequence's index among n
             if seed is None:
                 seed = self._seed_rng.getrandbits(63)
             gen = torch.Generator(device=self.device)

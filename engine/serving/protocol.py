@@ -102,6 +102,7 @@ def _is_text(value: str) -> bool:
 # Bounds at the HTTP schema (SamplingParams checks the sampler's own, tighter ranges too).
 MAX_INT32 = 2**31 - 1  # counts and ids: anything larger is a typo or an attack
 MAX_SEED = 2**64 - 1  # torch.Generator takes at most 64 bits
+MAX_LOGPROBS = 20  # = engine.request.MAX_LOGPROBS (this module must load without the engine)
 Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 # -1e6..1e6: wide enough for every real setting, and no value that overflows a float32 tensor.
@@ -145,8 +146,8 @@ class _SamplingRequest(_Model):
 class CompletionRequest(_SamplingRequest):
     # A text, a list of token ids, or a batch of one of those (only batches of one are served).
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: bool = False
-    logprobs: Count | None = None
+    echo: bool = False  # the prompt leads the text (and its tokens the logprobs)
+    logprobs: Count | None = None  # k alternatives per token, 0..MAX_LOGPROBS
     suffix: str | None = None
     best_of: Count | None = None
 
@@ -162,7 +163,8 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None  # the newer name of max_tokens; wins if both
     logprobs: bool = False
-    top_logprobs: Count | None = None
+    top_logprobs: Count | None = None  # needs logprobs=true; 0..MAX_LOGPROBS
+    echo: bool = False  # a completions parameter: refused here (400) rather than ignored
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -201,31 +203,53 @@ def _envelope(
     }
 
 
-def completion_response(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int]
+# `logprobs` below is a choice's logprobs object (engine/serving/logprobs_format.py) or None;
+# `index` is the choice's index among the request's n.
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    return {**completion_chunk(request_id, model, text, finish_reason), "usage": usage_}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
+    return _envelope(request_id, "text_completion", model, choices, usage=usage_)
 
 
 def completion_chunk(
-    request_id: str, model: str, text: str, finish_reason: str | None
-) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    request_id: str, model: str, text: str, finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None, index: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    choice = completion_choice(index, text, finish_reason, logprobs)
     return _envelope(request_id, "text_completion", model, [choice])
 
 
-def chat_response(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int]
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-    return _envelope(request_id, "chat.completion", model, [choice], usage=usage_)
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_response(
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
+    return _envelope(request_id, "chat.completion", model, choices, usage=usage_)
 
 
 def chat_chunk(
-    request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None
-) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None, index: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope(request_id, "chat.completion.chunk", model, [choice])
 
 
@@ -246,25 +270,29 @@ def field_of(message: str) -> str | None:
 
 
 def _reject_unsupported(req: _SamplingRequest) -> None:
-    if req.n != 1:
-        raise bad_request(f"n: only n=1 is supported, got {req.n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise bad_request(f"{name}: not supported; use repetition_penalty", param=name)
     if req.logit_bias:
         raise bad_request("logit_bias: not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo: not supported", param="echo")
-        if req.logprobs is not None:
-            raise bad_request("logprobs: not supported", param="logprobs")
         if req.suffix:
             raise bad_request("suffix: not supported", param="suffix")
         if req.best_of not in (None, 1):
             raise bad_request("best_of: only best_of=1 is supported", param="best_of")
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs or req.top_logprobs:
-            raise bad_request("logprobs: not supported", param="logprobs")
+        if req.echo:
+            raise bad_request(
+                "echo: not supported by chat completions (it is a completions parameter)",
+                param="echo",
+            )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs: needs logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and req.top_logprobs > MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                param="top_logprobs",
+            )
         if req.tools:
             raise bad_request("tools: tool calling is not supported", param="tools")
         kind = (req.response_format or {}).get("type", "text")
@@ -274,11 +302,22 @@ def _reject_unsupported(req: _SamplingRequest) -> None:
             )
 
 
+def _logprobs_settings(req: _SamplingRequest) -> tuple[int | None, int | None]:
+    """(SamplingParams.logprobs, prompt_logprobs) the request asks for: completions score the
+    prompt only under echo (its tokens lead the answer); chat never scores the prompt."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs, req.logprobs if req.echo else None
+    if isinstance(req, ChatCompletionRequest) and req.logprobs:
+        return req.top_logprobs or 0, None
+    return None, None
+
+
 def sampling_params(req: _SamplingRequest, max_tokens: int) -> Any:
     """The request's SamplingParams; a bad value becomes a 400 naming its field."""
     from engine.request import SamplingParams
 
     _reject_unsupported(req)
+    logprobs, prompt_logprobs = _logprobs_settings(req)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -291,6 +330,9 @@ def sampling_params(req: _SamplingRequest, max_tokens: int) -> Any:
             stop_token_ids=req.stop_token_ids or (),
             ignore_eos=req.ignore_eos,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            n=req.n,  # > max_num_seqs: the engine's "n: ..." ValueError, a 400 naming n
         )
     except ValueError as e:
         message, param = str(e), field_of(str(e))

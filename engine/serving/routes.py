@@ -17,13 +17,16 @@ from pydantic import BaseModel, ValidationError
 
 from engine.serving import streams as server_streams
 from engine.serving.http_limits import HTTPLimits, read_body
+from engine.serving.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from engine.serving.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
+    chat_choice,
     chat_messages,
     chat_response,
+    completion_choice,
     completion_prompt,
     completion_response,
     from_validation_error,
@@ -142,20 +145,24 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream, _ = await _submit(state, prompt, req, max_tokens, rid)
         if req.stream:
-            events = server_streams.completion_events(service, stream, model, req.include_usage)
+            events = server_streams.completion_events(
+                service, stream, model, req.include_usage, echo=req.echo,
+                with_logprobs=req.logprobs is not None,
+            )  # fmt: skip
             return StreamingResponse(_tracked(state, rid, events), media_type="text/event-stream")
         try:
-            last = await server_streams.collect(service, stream, request)
+            finals = await server_streams.collect(service, stream, request)
         finally:
             state.inflight.discard(rid)
-        n_out = len(last.token_ids)
+        texts = TokenTexts(service.tokenizer)
+        choices = [_completion_choice(service, req, out, texts) for out in finals]
+        num_output = sum(len(out.token_ids) for out in finals)
         return JSONResponse(
             completion_response(
                 stream.request_id,
                 model,
-                last.text,
-                last.finish_reason,
-                usage(len(last.prompt_token_ids), n_out),
+                choices,
+                usage(len(finals[0].prompt_token_ids), num_output),
             )
         )
 
@@ -187,21 +194,40 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream, _ = await _submit(state, template, req, max_tokens, rid)
         if req.stream:
-            events = server_streams.chat_events(service, stream, model, req.include_usage)
+            events = server_streams.chat_events(
+                service, stream, model, req.include_usage, with_logprobs=req.logprobs, n=req.n
+            )
             return StreamingResponse(_tracked(state, rid, events), media_type="text/event-stream")
         try:
-            last = await server_streams.collect(service, stream, request)
+            finals = await server_streams.collect(service, stream, request)
         finally:
             state.inflight.discard(rid)
+        texts = TokenTexts(service.tokenizer)
+        choices = [
+            chat_choice(out.index, out.text, out.finish_reason,
+                        chat_logprobs(out.logprobs or [], texts) if req.logprobs else None)
+            for out in finals
+        ]  # fmt: skip
+        num_output = sum(len(out.token_ids) for out in finals)
         return JSONResponse(
             chat_response(
                 stream.request_id,
                 model,
-                last.text,
-                last.finish_reason,
-                usage(len(last.prompt_token_ids), len(last.token_ids)),
+                choices,
+                usage(len(finals[0].prompt_token_ids), num_output),
             )
         )
+
+
+def _completion_choice(service: Any, req: CompletionRequest, out: Any, texts: TokenTexts) -> dict:
+    """One choice of a completion: with echo the prompt leads its text and scored tokens."""
+    text, token_ids, scored = out.text, out.token_ids, out.logprobs
+    if req.echo:
+        text = server_streams.prompt_text(service, out) + text
+        token_ids = out.prompt_token_ids + token_ids
+        scored = (out.prompt_logprobs or []) + (scored or [])
+    logprobs = completion_logprobs(token_ids, scored, texts) if req.logprobs is not None else None
+    return completion_choice(out.index, text, out.finish_reason, logprobs)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

@@ -43,7 +43,7 @@ class RequestStream:
     def push(self, output: RequestOutput) -> None:
         with self._cond:
             self._items.append(output)
-            self._done = self._done or output.finished
+            self._done = self._done or output.request_finished  # all n sequences are over
             self._cond.notify_all()
             loop, event = self._loop, self._event
         if loop is not None and event is not None:
@@ -130,7 +130,7 @@ class EngineService:
         if self._stopping:
             raise RuntimeError("engine: shutting down")
         request = self.engine.make_request(prompt, params, request_id)
-        stream = RequestStream(request.request_id, self)
+        stream = RequestStream(request.group_id, self)
         self._inbox.put(("add", (request, stream)))
         self._wakeup.set()
         return stream
@@ -235,7 +235,7 @@ class EngineService:
                 except ValueError as exc:  # e.g. a request_id already in flight
                     stream.push(_rejected(request, str(exc)))
                     continue
-                self._streams[request.request_id] = stream
+                self._streams[request.group_id] = stream
             elif kind == "abort":
                 out = self.engine.abort(payload)  # type: ignore[arg-type]
                 if out is not None:
@@ -247,8 +247,9 @@ class EngineService:
             if stream is None:
                 continue
             stream.push(out)
-            if out.finished:
-                del self._streams[out.request_id]
+        for out in outputs:  # after the loop: n sequences may finish in one step
+            if out.request_finished:
+                self._streams.pop(out.request_id, None)
         if any(out.finished for out in outputs):
             self._refresh_gauges()
 
@@ -267,9 +268,10 @@ def _rejected(request: Request, error: str) -> RequestOutput:
     """The only output of a request the engine refused once it reached the engine thread."""
     request.metrics.finish_time = time.perf_counter()
     return RequestOutput(
-        request_id=request.request_id, prompt=request.prompt,
+        request_id=request.group_id, prompt=request.prompt,
         prompt_token_ids=request.prompt_token_ids, token_ids=[], text="", new_token_ids=[],
         new_text="", finished=True, finish_reason="abort", metrics=request.metrics, error=error,
+        request_finished=True,
     )  # fmt: skip
 
 

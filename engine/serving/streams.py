@@ -7,11 +7,17 @@ its KV blocks.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
 
+from engine.serving.logprobs_format import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    next_text_offset,
+)
 from engine.serving.protocol import (
     SSE_DONE,
     APIError,
@@ -36,14 +42,16 @@ def submit(service: Any, prompt: str | list[int], params: Any, request_id: str) 
         raise APIError(503, str(e), type="service_unavailable") from None
 
 
-async def collect(service: Any, stream: Any, request: Request) -> Any:
-    """The final RequestOutput; aborts the request if the client disconnects first."""
+async def collect(service: Any, stream: Any, request: Request) -> list[Any]:
+    """The final RequestOutput of each of the request's n sequences, by index; aborts the
+    request if the client disconnects first."""
 
-    async def drain() -> Any:
-        last = None
+    async def drain() -> list[Any]:
+        finals: dict[int, Any] = {}
         async for out in stream:
-            last = out
-        return last
+            if out.finished or out.error:
+                finals[out.index] = out
+        return [finals[i] for i in sorted(finals)]
 
     async def disconnected() -> None:
         # The body has been read: the next ASGI message is the disconnect.
@@ -63,15 +71,16 @@ async def collect(service: Any, stream: Any, request: Request) -> Any:
         # The client is gone: nobody reads this answer (and work.result() of a task just
         # cancelled would raise InvalidStateError). 499 is nginx's "client closed request".
         raise APIError(499, "the client closed the request", code="client_closed_request")
-    last = work.result()
+    finals = work.result()
     if not getattr(service, "is_running", True):
         raise APIError(503, "the server is shutting down", type="service_unavailable")
-    if last is None or last.error:
-        detail = last.error if last is not None else "no output"
+    failed = [out.error for out in finals if out.error]
+    if not finals or failed:
+        detail = failed[0] if failed else "no output"
         raise APIError(500, f"the engine failed the request: {detail}", type="internal_error")
-    if last.finish_reason == "abort":
+    if any(out.finish_reason == "abort" for out in finals):
         raise APIError(503, "the request was aborted (server shutting down?)", type="aborted")
-    return last
+    return finals
 
 
 async def _relay(service: Any, stream: Any) -> AsyncIterator[Any]:
@@ -79,7 +88,7 @@ async def _relay(service: Any, stream: Any) -> AsyncIterator[Any]:
     finished = False
     try:
         async for out in stream:
-            finished = out.finished
+            finished = out.request_finished  # every one of the n sequences is over
             yield out
     finally:
         if not finished:
@@ -99,24 +108,65 @@ def _stream_error(out: Any) -> str:
     return sse(body)
 
 
+def prompt_text(service: Any, out: Any) -> str:
+    """The prompt as text (for echo): as sent, or the decode of a token-id prompt."""
+    if out.prompt is not None:
+        return out.prompt
+    tokenizer = service.tokenizer
+    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
+
 def completion_events(
-    service: Any, stream: Any, model: str, include_usage: bool
-) -> AsyncIterator[str]:
+    service: Any, stream: Any, model: str, include_usage: bool, *, echo: bool = False,
+    with_logprobs: bool = False,
+) -> AsyncIterator[str]:  # fmt: skip
+    """Completion chunks; with echo the first one leads with the prompt (and, with logprobs,
+    the prompt tokens' logprobs); each chunk carries the logprobs of the tokens it adds, with
+    text offsets running on across chunks."""
     rid = stream.request_id
+    texts = TokenTexts(service.tokenizer)
+    offsets: dict[int, int] = {}  # per choice index: the next token's text offset
+
+    def chunk_for(out: Any) -> dict[str, Any] | None:
+        text, token_ids, scored = out.new_text, out.new_token_ids, out.new_logprobs or []
+        if out.index not in offsets and echo:  # this choice's first chunk
+            text = prompt_text(service, out) + text
+            token_ids = out.prompt_token_ids + token_ids
+            scored = (out.prompt_logprobs or []) + scored
+        offset = offsets.setdefault(out.index, 0)
+        logprobs = None
+        if with_logprobs:
+            logprobs = completion_logprobs(token_ids, scored, texts, offset)
+            offsets[out.index] = next_text_offset(logprobs, offset)
+        if not (text or out.finished or (with_logprobs and token_ids)):
+            return None
+        return completion_chunk(rid, model, text, out.finish_reason, logprobs, out.index)
+
     return _events(
-        service, stream, model, include_usage, "text_completion",
-        lambda out: completion_chunk(rid, model, out.new_text, out.finish_reason),
+        service, stream, model, include_usage, "text_completion", chunk_for
     )  # fmt: skip
 
 
-def chat_events(service: Any, stream: Any, model: str, include_usage: bool) -> AsyncIterator[str]:
+def chat_events(
+    service: Any, stream: Any, model: str, include_usage: bool, *, with_logprobs: bool = False,
+    n: int = 1,
+) -> AsyncIterator[str]:  # fmt: skip
+    """Chat chunks; with logprobs each carries its new tokens' entries, so a token whose text
+    is held back (a possible stop string, an unfinished character) still sends its logprob."""
     rid = stream.request_id
+    texts = TokenTexts(service.tokenizer)
 
-    def chunk_for(out: Any) -> dict[str, Any]:
+    def chunk_for(out: Any) -> dict[str, Any] | None:
         delta = {"content": out.new_text} if out.new_text else {}
-        return chat_chunk(rid, model, delta, out.finish_reason)
+        logprobs = None
+        if with_logprobs:
+            logprobs = chat_logprobs(out.new_logprobs or [], texts)
+        if not (out.new_text or out.finished or (with_logprobs and out.new_token_ids)):
+            return None
+        return chat_chunk(rid, model, delta, out.finish_reason, logprobs, out.index)
 
-    first = chat_chunk(rid, model, {"role": "assistant", "content": ""}, None)
+    first = [chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, index=i)
+             for i in range(n)]  # fmt: skip
     return _events(service, stream, model, include_usage, "chat.completion.chunk", chunk_for, first)
 
 
@@ -126,10 +176,11 @@ async def _events(
     model: str,
     include_usage: bool,
     usage_object: str,
-    chunk_for: Callable[[Any], dict[str, Any]],
-    first: dict[str, Any] | None = None,
+    chunk_for: Callable[[Any], dict[str, Any] | None],
+    first: Sequence[dict[str, Any]] = (),  # chunks sent before any output (chat's roles)
 ) -> AsyncIterator[str]:
-    """SSE events of one request: a chunk per delta with text (or the final one), then the
+    """SSE events of one request: a chunk per delta that `chunk_for` makes one of (text,
+    logprobs, or the final one), then the
     usage chunk when asked for, then [DONE]. With include_usage every chunk carries
     "usage": null, as OpenAI's stream does."""
 
@@ -138,18 +189,20 @@ async def _events(
             chunk["usage"] = None
         return sse(chunk)
 
-    if first is not None:
-        yield event(first)
-    last = None
+    for chunk in first:
+        yield event(chunk)
+    last: dict[int, Any] = {}  # per choice index, its latest output
     async for out in _relay(service, stream):
         if out.error or out.finish_reason == "abort":
             yield _stream_error(out)
             yield SSE_DONE
             return
-        last = out
-        if out.new_text or out.finished:
-            yield event(chunk_for(out))
-    if include_usage and last is not None:
-        u = usage(len(last.prompt_token_ids), len(last.token_ids))
+        last[out.index] = out
+        chunk = chunk_for(out)
+        if chunk is not None:
+            yield event(chunk)
+    if include_usage and last:
+        num_prompt = len(next(iter(last.values())).prompt_token_ids)  # counted once for n
+        u = usage(num_prompt, sum(len(out.token_ids) for out in last.values()))
         yield sse(usage_chunk(stream.request_id, model, usage_object, u))
     yield SSE_DONE

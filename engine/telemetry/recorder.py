@@ -151,4 +151,5 @@ class StepRecorder:
             num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
             num_draft_tokens=num_drafts,
             num_accepted_tokens=num_accepted,
+            num_block_copies=len(sched.block_copies),
         )

@@ -59,6 +59,8 @@ class StepStats:
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed)
     num_draft_tokens: int = 0  # speculative tokens verified this step (in num_decode_tokens)
     num_accepted_tokens: int = 0  # of those, accepted
+    # Copy-on-write (parallel sampling): shared KV blocks copied before this step wrote them.
+    num_block_copies: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -190,6 +192,8 @@ class EngineStats:
     # Speculative decoding (zero when off): draft tokens verified, and accepted.
     num_draft_tokens_total: int = 0
     num_accepted_tokens_total: int = 0
+    # Parallel sampling: copy-on-write copies of shared KV blocks since start-up.
+    num_block_copies_total: int = 0
     steps: list[StepStats] = field(default_factory=list)  # most recent last
     finished: list[FinishedRequest] = field(default_factory=list)  # most recent last
 

@@ -40,9 +40,10 @@ def batch_timeline_figure(
         batch = [s.batch_size for s in recent]
         meta = [f"step {s.step_index}" for s in recent]
         preempted = [s.num_preemptions for s in recent]
+        copied = [s.num_block_copies for s in recent]
         y_title = "tokens in the step"
     else:  # busy: bins of window / NUM_TIME_BINS seconds, sums of tokens, largest batch
-        x, prefill, decode, batch, meta, preempted = _binned(recent, now_s, bin_s)
+        x, prefill, decode, batch, meta, preempted, copied = _binned(recent, now_s, bin_s)
         y_title = f"tokens per {bin_s:g} s"
     hover = "%{x:.1f} s<br>%{y} %{fullData.name} (%{customdata})<extra></extra>"
     traces: list[dict] = [
@@ -61,6 +62,15 @@ def batch_timeline_figure(
             {"type": "scatter", "x": [x[i] for i in hit], "y": [batch[i] for i in hit],
              "yaxis": "y2", "mode": "markers", "name": "preemption",
              "marker": {"symbol": "x", "size": 9, "color": "#dc2626"}}
+        )  # fmt: skip
+    cow = [i for i, n in enumerate(copied) if n]
+    if cow:  # parallel sampling (n > 1): shared KV blocks copied before a sequence wrote
+        traces.append(
+            {"type": "scatter", "x": [x[i] for i in cow], "y": [batch[i] for i in cow],
+             "yaxis": "y2", "mode": "markers", "name": "copy-on-write",
+             "customdata": [copied[i] for i in cow],
+             "hovertemplate": "%{x:.1f} s<br>%{customdata} KV blocks copied<extra></extra>",
+             "marker": {"symbol": "diamond", "size": 9, "color": "#7c3aed"}}
         )  # fmt: skip
     max_batch = max(batch)
     layout = {
@@ -81,15 +91,16 @@ def batch_timeline_figure(
 
 def _binned(steps: list[StepStats], now_s: float, bin_s: float) -> tuple[list, ...]:
     """Per non-empty bin: center (seconds ago, < 0), prefill and decode token sums, largest
-    batch, "<n> steps", preemptions."""
+    batch, "<n> steps", preemptions, copy-on-write block copies."""
     bins: dict[int, list[int]] = {}
     for s in steps:
-        b = bins.setdefault(int((now_s - s.start_time) / bin_s), [0, 0, 0, 0, 0])
+        b = bins.setdefault(int((now_s - s.start_time) / bin_s), [0, 0, 0, 0, 0, 0])
         b[0] += s.num_prefill_tokens
         b[1] += s.num_decode_tokens
         b[2] = max(b[2], s.batch_size)
         b[3] += 1
         b[4] += s.num_preemptions
+        b[5] += s.num_block_copies
     order = sorted(bins, reverse=True)  # oldest first
     return (
         [-(i + 0.5) * bin_s for i in order],
@@ -98,6 +109,7 @@ def _binned(steps: list[StepStats], now_s: float, bin_s: float) -> tuple[list, .
         [bins[i][2] for i in order],
         [f"{bins[i][3]} steps" for i in order],
         [bins[i][4] for i in order],
+        [bins[i][5] for i in order],
     )
 
 

@@ -6,17 +6,20 @@ OpenAI-compatible server in remote mode)."""
 
 from __future__ import annotations
 
+import html
 import math
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from engine.request import SamplingParams
 
-# Each turn: {"role": "user" | "assistant", "content": text, "stats": line (assistant only)}.
-Turn = dict[str, str]
+# Each turn: {"role": "user" | "assistant", "content": text, "stats": line (assistant only),
+# "alternatives": the other replies of an n > 1 request (shown beside it, never sent back)}.
+Turn = dict[str, Any]
+MAX_CHAT_N = 4  # replies side by side: more would not fit the chat column
 
 STREAM_YIELD_INTERVAL_S = 0.05  # at most ~20 UI updates/s per reply, however fast the engine
 NOTHING_TO_STOP = "Nothing to stop: no reply is streaming."
@@ -28,6 +31,7 @@ def sampling_params(
     top_k: float | None,
     max_tokens: float | None,
     seed: float | None,
+    n: float | None = 1,
 ) -> SamplingParams:
     """Form numbers (Gradio sends floats or None) -> SamplingParams; ValueError names the field.
 
@@ -40,7 +44,11 @@ def sampling_params(
     s = whole("seed", seed)
     if s < -1:
         raise ValueError(f"seed: must be -1 (random) or a whole number >= 0, got {s}")
+    num_replies = whole("n", n)
+    if not 1 <= num_replies <= MAX_CHAT_N:
+        raise ValueError(f"n: must be a whole number in [1, {MAX_CHAT_N}], got {num_replies}")
     return SamplingParams(
+        n=num_replies,
         max_tokens=whole("max_tokens", max_tokens),
         temperature=float(temperature if temperature is not None else -1),
         top_p=float(top_p if top_p is not None else -1),
@@ -122,17 +130,39 @@ class StreamThrottle:
         return False
 
 
-def render(turns: Sequence[Turn], streaming: str | None = None, live: str = "") -> list[dict]:
-    """Turns -> gr.Chatbot messages; each reply ends with its metrics line."""
+def render(
+    turns: Sequence[Turn],
+    streaming: str | None = None,
+    live: str = "",
+    streaming_alternatives: Sequence[str] = (),
+) -> list[dict]:
+    """Turns -> gr.Chatbot messages; each reply ends with its metrics line. A reply with
+    alternatives (n > 1) shows all n side by side, the first being the one that continues."""
     out = []
     for t in turns:
         content = t["content"]
+        if t.get("alternatives"):
+            content = side_by_side([content, *t["alternatives"]])
         if t.get("stats"):
             content = f"{content}\n\n<sub>{t['stats']}</sub>"
         out.append({"role": t["role"], "content": content})
     if streaming is not None:
-        out.append({"role": "assistant", "content": f"{streaming} ▌\n\n<sub>{live}</sub>"})
+        if streaming_alternatives:
+            body = side_by_side([streaming, *streaming_alternatives], cursor=True)
+        else:
+            body = f"{streaming} ▌"
+        out.append({"role": "assistant", "content": f"{body}\n\n<sub>{live}</sub>"})
     return out
+
+
+def side_by_side(replies: Sequence[str], cursor: bool = False) -> str:
+    """n replies in columns (HTML, the texts escaped; theme.css lays out .pg-replies)."""
+    columns = []
+    for i, text in enumerate(replies, start=1):
+        body = html.escape(text).replace("\n", "<br>") + (" ▌" if cursor else "")
+        label = "Reply 1 (continues)" if i == 1 else f"Reply {i}"
+        columns.append(f'<div class="pg-reply"><b>{label}</b><br>{body}</div>')
+    return '<div class="pg-replies">' + "".join(columns) + "</div>"
 
 
 class ChatSessions:
@@ -211,6 +241,7 @@ class ChatReply:
     stopped: bool  # aborted by Stop (or by the page going away)
     error: str | None
     stats: str  # the metrics line under a finished reply ("" while streaming)
+    alternatives: tuple[str, ...] = ()  # n > 1: replies 2..n so far (text is reply 1)
 
 
 class ChatBackend(Protocol):

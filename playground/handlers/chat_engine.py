@@ -25,6 +25,33 @@ def prompt_for(service: EngineClient, messages: list[dict]) -> list[int] | str:
         return "\n".join([*lines, "assistant:"])
 
 
+async def stream_replies(
+    service: EngineClient,
+    prompt: list[int] | str,
+    params: SamplingParams,
+    active: ActiveRequests[str],
+    session: str,
+) -> AsyncIterator[list[RequestOutput]]:
+    """The latest output of each of the request's n sequences (by index), throttled; the
+    last update (every sequence over) is always yielded. Aborts the request if the consumer
+    goes away before it finishes."""
+    stream = service.submit(prompt, params)
+    active.set(session, stream.request_id)
+    throttle = StreamThrottle()
+    latest: dict[int, RequestOutput] = {}
+    finished = False
+    try:
+        async for out in stream:
+            latest[out.index] = out  # each output carries its sequence's text so far
+            finished = out.request_finished
+            if throttle.due(finished):
+                yield [latest[i] for i in sorted(latest)]
+    finally:
+        active.clear(session, stream.request_id)
+        if not finished:
+            service.abort(stream.request_id)
+
+
 async def stream_reply(
     service: EngineClient,
     prompt: list[int] | str,
@@ -32,21 +59,10 @@ async def stream_reply(
     active: ActiveRequests[str],
     session: str,
 ) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one reply, throttled (the last one is always yielded). Aborts
-    the request if the consumer goes away before it finishes."""
-    stream = service.submit(prompt, params)
-    active.set(session, stream.request_id)
-    throttle = StreamThrottle()
-    finished = False
-    try:
-        async for out in stream:
-            finished = out.finished
-            if throttle.due(finished):
-                yield out
-    finally:
-        active.clear(session, stream.request_id)
-        if not finished:
-            service.abort(stream.request_id)
+    """The engine's outputs for a one-sequence reply (n = 1), throttled (the last one is
+    always yielded)."""
+    async for outputs in stream_replies(service, prompt, params, active, session):
+        yield outputs[0]
 
 
 class EngineChat:
@@ -63,17 +79,21 @@ class EngineChat:
     async def replies(
         self, messages: list[dict], params: SamplingParams, session: str
     ) -> AsyncIterator[ChatReply]:
+        """With n > 1 the reply is sequence 0 (it continues the conversation) and the others
+        come as alternatives, shown beside it."""
         prompt = prompt_for(self.service, messages)
-        async for out in stream_reply(self.service, prompt, params, self.active, session):
-            n = len(out.token_ids)
+        async for outs in stream_replies(self.service, prompt, params, self.active, session):
+            out, finished = outs[0], outs[-1].request_finished
+            n = sum(len(o.token_ids) for o in outs)
             yield ChatReply(
                 out.request_id,
                 out.text,
-                f"{n} tokens",
-                out.finished,
-                out.finish_reason == "abort",
-                out.error,
-                stats_line(out.metrics, n, out.finish_reason) if out.finished else "",
+                f"{n} tokens" if len(outs) == 1 else f"{n} tokens in {len(outs)} replies",
+                finished,
+                any(o.finish_reason == "abort" for o in outs),
+                next((o.error for o in outs if o.error), None),
+                stats_line(out.metrics, len(out.token_ids), out.finish_reason) if finished else "",
+                alternatives=tuple(o.text for o in outs[1:]),
             )
 
     def streaming(self, session: str) -> bool:

@@ -10,6 +10,7 @@ import gradio as gr
 
 from playground.context import AppContext
 from playground.handlers.chat import (
+    MAX_CHAT_N,
     ChatBackend,
     ChatSessions,
     build_messages,
@@ -74,6 +75,13 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             ui.top_k = gr.Number(-1, label="Top-k (-1 = off)", elem_id="chat-top-k")
             ui.max_tokens = gr.Slider(1, 1024, 256, step=1, label="Max new tokens")
             ui.seed = gr.Number(-1, label="Seed (-1 = random)", elem_id="chat-seed")
+            # Parallel sampling: n replies from one prompt, sharing its KV blocks (engine
+            # only; a remote server's n support varies, so remote mode keeps n = 1).
+            ui.n = gr.Slider(
+                1, MAX_CHAT_N, 1, step=1, label="Replies (n, side by side)", elem_id="chat-n",
+                info="n > 1 shares the prompt's KV blocks; needs a temperature > 0 to differ",
+                visible=ctx.remote is None,
+            )  # fmt: skip
             ui.clear = gr.Button("Clear conversation", elem_id="chat-clear")
             gr.Markdown(REMOTE_NOTE.format(url=ctx.remote.base_url) if ctx.remote else ENGINE_NOTE)
     ui.turns = gr.State([])
@@ -96,6 +104,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         top_k,
         max_tokens,
         seed,
+        n,
         request: gr.Request,
     ):
         # Streaming updates never write the input box (gr.skip()): what the user types while
@@ -106,7 +115,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             yield render(turns), turns, message, "Type a message first.", gr.skip()
             return
         try:
-            params = sampling_params(temperature, top_p, top_k, max_tokens, seed)
+            params = sampling_params(temperature, top_p, top_k, max_tokens, seed, n)
         except ValueError as e:
             gr.Warning(str(e))
             yield gr.skip(), gr.skip(), gr.skip(), f"**Not sent:** {e}", gr.skip()
@@ -141,7 +150,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
                 last = reply
                 if not reply.finished:
                     live = f"{reply.request_id or 'reply'} · streaming · {reply.progress}"
-                    yield render(shown, reply.text, live), turns, gr.skip(), gr.skip(), False
+                    view = render(shown, reply.text, live, reply.alternatives)
+                    yield view, turns, gr.skip(), gr.skip(), False
         except (ValueError, RuntimeError) as e:  # refused (too long, ...) or shutting down
             gr.Warning(str(e))
             yield render(turns), turns, message, f"**Not sent:** {e}", True
@@ -156,6 +166,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             return
         text = last.text or ("(stopped before the first token)" if last.stopped else "")
         turn = {"role": "assistant", "content": text, "stats": last.stats}
+        if last.alternatives:  # n > 1: shown beside the reply; only the first continues
+            turn["alternatives"] = list(last.alternatives)
         status = ""
         if last.error:
             status = f"**{backend.error_label}:** {last.error}"
@@ -173,9 +185,10 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         top_k,
         max_tokens,
         seed,
+        n,
         request: gr.Request,
     ):
-        form = (message, turns, system_prompt, temperature, top_p, top_k, max_tokens, seed)
+        form = (message, turns, system_prompt, temperature, top_p, top_k, max_tokens, seed, n)
         async for chatbot, turns, message, status, _ in respond(*form, request):
             yield chatbot, turns, "" if message == gr.skip() else message, status
 
@@ -214,6 +227,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ui.top_k,
         ui.max_tokens,
         ui.seed,
+        ui.n,
     ]
     outputs = [ui.chatbot, ui.turns, ui.message, ui.status, ui.send]
     # No concurrency limit: replies stream without holding a worker thread, and every open
