@@ -1,0 +1,46 @@
+"""benchmarks.perplexity: windows of the local held-out text scored through prompt_logprobs, one
+engine per value of the varied field, NLL consistent with the engine's own logprobs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import perplexity as bench_ppl
+from engine import LLM, SamplingParams
+
+ARGS = ["--model", "random:tiny", "--dtype", "float32", "--context-len", "24",
+        "--num-windows", "2"]  # fmt: skip
+
+
+def test_perplexity_reports_each_value_of_the_varied_field(tmp_path, capsys):
+    out = tmp_path / "ppl.json"
+    argv = [*ARGS, "--vary", "quantization=none,int8", "--json", str(out)]
+    assert bench_ppl.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report == json.loads(capsys.readouterr().out)
+    none, int8 = report["runs"]
+    assert (none["quantization"], int8["quantization"]) == ("none", "int8")
+    assert none["tokens_scored"] == int8["tokens_scored"] == 2 * 23
+    assert none["perplexity"] == pytest.approx(math.exp(none["nll"]), rel=1e-4)
+    assert none["perplexity_change_pct"] == 0.0 and int8["nll"] != none["nll"]
+
+    # The NLL is the mean of the engine's prompt logprobs over the same windows.
+    from engine.runner.model_loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model("random:tiny"))
+    ids = tokenizer.encode(bench_ppl.held_out_text(), add_special_tokens=False)
+    windows = bench_ppl.windows_of(ids, 24, 2)
+    llm = LLM(model="random:tiny", dtype="float32")
+    outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    logprobs = [lp.logprob for o in outs for lp in o.prompt_logprobs if lp]
+    assert none["nll"] == pytest.approx(-sum(logprobs) / len(logprobs), abs=1e-4)
+
+
+def test_bad_arguments_are_one_error_line(capsys):
+    assert bench_ppl.main([*ARGS, "--vary", "nope=1,2"]) == 2
+    assert "not an EngineConfig field" in capsys.readouterr().err
+    assert bench_ppl.main([*ARGS, "--num-windows", "100000"]) == 2
+    assert "num_windows" in capsys.readouterr().err
