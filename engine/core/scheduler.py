@@ -10,8 +10,9 @@ with prefix caching an admitted request first shares its longest cached prefix o
 
 Parallel sampling (SamplingParams.n > 1): the group's sequence 0 computes the prompt but its
 last token; then the others fork off it (`_fork_if_ready`), sharing its blocks, and each
-computes the last prompt token itself and samples from there with its own generator. The
-block written first in a shared block is copied (copy-on-write; `SchedulerOutput.block_copies`).
+computes the last prompt token itself and samples from there with its own generator. A block
+about to be written while others share it is copied first (copy-on-write;
+`SchedulerOutput.block_copies`).
 A group is preempted as a unit, by recompute: every running sequence of it frees its blocks
 and re-enters the waiting queue; readmitted, each recomputes its own prompt + output (sharing
 again only what the prefix cache holds).
@@ -154,11 +155,15 @@ class Scheduler:
             draft = drafts.get(request.request_id, [])[: budget - 1] if num_new == 1 else []
             num_new += len(draft)  # decode: verify the draft too
             target = request.num_computed_tokens + num_new
+            num_preempted = len(out.preempted_ids)
             if not self._reserve(request, target, out):
                 break  # the request preempted itself; nothing after it can run either
             self._add(out, request, num_new, draft)
             budget -= num_new
-            i = self.running.index(request) + 1  # a preempted group may have left before it
+            if len(out.preempted_ids) == num_preempted:
+                i += 1
+            else:  # a preempted group may have had members before this request
+                i = self.running.index(request) + 1
 
         # 2) Waiting requests (continuous only), unless this step had to preempt: the blocks
         #    are too scarce to take on more work.
