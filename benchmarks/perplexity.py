@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
 import sys
 from collections.abc import Sequence
 
@@ -29,35 +28,17 @@ from benchmarks.common import bench_parser, config_report, emit
 from engine.cli import config_from_args
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.request import SamplingParams
+from engine.quality import (
+    HELD_OUT_TEXT_NAME,
+    SCORE_PARAMS,
+    held_out_text,
+    mean_nll,
+    perplexity,
+    windows_of,
+)
 from engine.runner.model_loader import load_tokenizer, resolve_model
 
 DEFAULT_VARY = "quantization=none,int8,int4"
-
-
-def held_out_text() -> str:
-    """The CPython documentation topics shipped with Python, in a fixed order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[name] for name in sorted(topics))
-
-
-def windows_of(token_ids: Sequence[int], context_len: int, num_windows: int) -> list[list[int]]:
-    """The first num_windows non-overlapping windows of context_len tokens."""
-    if context_len < 2:
-        raise ValueError(
-            f"context_len: must be >= 2 (a window scores tokens 1..), got {context_len}"
-        )
-    windows = [
-        list(token_ids[i : i + context_len])
-        for i in range(0, len(token_ids) - context_len + 1, context_len)
-    ][:num_windows]
-    if len(windows) < num_windows:
-        raise ValueError(
-            f"num_windows: the text has {len(token_ids)} tokens, only {len(windows)} windows of "
-            f"{context_len}"
-        )
-    return windows
 
 
 def parse_vary(text: str) -> tuple[str, list[str]]:
@@ -73,16 +54,11 @@ def parse_vary(text: str) -> tuple[str, list[str]]:
 def score(config: EngineConfig, windows: list[list[int]]) -> dict:
     """NLL and perplexity of `config`'s engine over the windows."""
     llm = LLM(**dataclasses.asdict(config))
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    outputs = llm.generate(windows, params)
-    logprobs = [lp.logprob for out in outputs for lp in out.prompt_logprobs or [] if lp]
+    nll = mean_nll(llm.generate(windows, SCORE_PARAMS), windows)
     del llm
     gc.collect()
-    expected = sum(len(w) - 1 for w in windows)
-    if len(logprobs) != expected:
-        raise RuntimeError(f"scored {len(logprobs)} prompt tokens, expected {expected}")
-    nll = -sum(logprobs) / len(logprobs)
-    return {"nll": round(nll, 5), "perplexity": round(math.exp(nll), 4), "tokens_scored": expected}
+    scored = sum(len(w) - 1 for w in windows)
+    return {"nll": round(nll, 5), "perplexity": round(perplexity(nll), 4), "tokens_scored": scored}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "benchmark": "perplexity",
         "model": base.model,
-        "text": "pydoc_data.topics (CPython documentation, sorted by topic)",
+        "text": HELD_OUT_TEXT_NAME,
         "context_len": args.context_len,
         "num_windows": args.num_windows,
         "vary": field,

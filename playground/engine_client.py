@@ -8,7 +8,7 @@ The playground reaches the engine through these calls and the telemetry snapshot
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -26,6 +26,10 @@ class OutputStream(Protocol):
     request_id: str
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        """The same deltas, blocking (for code on a worker thread)."""
+        ...
 
 
 class EngineClient(Protocol):

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import perplexity as bench_ppl
 from engine import LLM, SamplingParams
+from engine.quality import held_out_text, windows_of
 
 ARGS = ["--model", "random:tiny", "--dtype", "float32", "--context-len", "24",
         "--num-windows", "2"]  # fmt: skip
@@ -31,8 +32,8 @@ def test_perplexity_reports_each_value_of_the_varied_field(tmp_path, capsys):
     from engine.runner.model_loader import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model("random:tiny"))
-    ids = tokenizer.encode(bench_ppl.held_out_text(), add_special_tokens=False)
-    windows = bench_ppl.windows_of(ids, 24, 2)
+    ids = tokenizer.encode(held_out_text(), add_special_tokens=False)
+    windows = windows_of(ids, 24, 2)
     llm = LLM(model="random:tiny", dtype="float32")
     outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
     logprobs = [lp.logprob for o in outs for lp in o.prompt_logprobs if lp]

@@ -89,3 +89,28 @@ def test_info_fields_are_what_engine_info_reads():
                               dtype="bfloat16", max_model_len=1024, weight_bytes=123,
                               stats=lambda: stats)  # fmt: skip
     assert engine_info(service).weight_bytes == 123
+
+
+def test_compare_sides_score_held_out_perplexity_through_the_engine():
+    """Each engine side scores the same held-out window through its prompt logprobs: int8
+    weights cost perplexity, and the row says so (lower is better)."""
+    from engine.serving.service import EngineService
+    from playground.handlers.compare_engine import PERPLEXITY_WINDOW_TOKENS, held_out_perplexity
+
+    tiny = dict(model="random:tiny", dtype="float32", num_kv_blocks=64, max_model_len=512)
+    scores = {}
+    for fmt in ("none", "int8"):
+        service = EngineService(EngineConfig(**tiny, quantization=fmt))
+        try:
+            scores[fmt] = held_out_perplexity(service)
+        finally:
+            service.shutdown()
+    assert PERPLEXITY_WINDOW_TOKENS == 256
+    assert scores["none"] > 1 and scores["int8"] > 1 and scores["none"] != scores["int8"]
+    a = _outcome("A", [[1, 2]], 0.0, 269_030_016)
+    b = _outcome("B", [[1, 2]], 0.0, 191_582_592)
+    a.perplexity, b.perplexity = 15.25, 23.02
+    rows = {r[0]: r for r in compare_rows(a, b)}
+    assert rows["Held-out perplexity (256 tokens of pydoc text)"][1:5] == [
+        "15.25", "23.02", "x1.51", "A"
+    ]  # fmt: skip

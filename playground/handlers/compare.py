@@ -35,6 +35,7 @@ class SideOutcome:
     steps: list[StepStats] = field(default_factory=list)  # the run's engine steps (engine sides)
     load_s: float = 0.0  # seconds to make the side ready (engine: model load)
     weight_bytes: int | None = None  # the engine's weights as stored (None: a remote server)
+    perplexity: float | None = None  # on held-out text, after the run (engine sides)
     error: str | None = None
 
 
@@ -204,6 +205,7 @@ COMPARE_ROWS = (
     ("Engine start-up (s, not in the run)", "load_s", None),
     ("Weight memory (MB, as stored)", "weight_mb", "lower"),
     ("Output tokens same as A (%, greedy runs)", "same_tokens_pct", "higher"),
+    ("Held-out perplexity (256 tokens of pydoc text)", "perplexity", "lower"),
 )
 COMPARE_HEADERS = ["metric", "A", "B", "B / A", "better", "noise band"]
 # A side "wins" a row only when the two differ by more than this fraction, or by more than
@@ -251,6 +253,8 @@ def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
     m["load_s"] = outcome.load_s
     if outcome.weight_bytes is not None:
         m["weight_mb"] = outcome.weight_bytes / 1e6
+    if outcome.perplexity is not None:
+        m["perplexity"] = outcome.perplexity
     return m
 
 

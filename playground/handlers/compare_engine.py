@@ -8,6 +8,7 @@ block size gets fewer blocks of the same total bytes.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -15,10 +16,13 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockSnapshot
+from engine.quality import SCORE_PARAMS, held_out_text, mean_nll, perplexity, windows_of
 from playground.engine_client import EngineClient
 from playground.handlers.compare import SideOutcome, blocks_held
 from playground.handlers.loadtest import DEFAULT_WORKLOAD, BackgroundRun
 from playground.loadgen import EngineTarget, Target
+
+logger = logging.getLogger(__name__)
 
 SIDE_FIELDS = (
     "batching",
@@ -290,6 +294,28 @@ class PeakPoller:
         return self.peak
 
 
+# Quality: one window of held-out text scored through the engine's prompt logprobs (a second or
+# two on a CPU for the embedded model): enough to show what a weight or KV format costs, and
+# the same on both sides. benchmarks.perplexity scores more text.
+PERPLEXITY_WINDOW_TOKENS = 256
+
+
+def held_out_perplexity(service: EngineClient) -> float | None:
+    """Perplexity of the side's engine on PERPLEXITY_WINDOW_TOKENS tokens of held-out text
+    (engine/quality.py); None when the engine cannot score them (too short a context, no
+    tokenizer, a refusal), so a compare never fails for its quality row."""
+    context_len = min(PERPLEXITY_WINDOW_TOKENS, service.max_model_len - 1)
+    try:
+        ids = service.tokenizer.encode(held_out_text(max_chars=8 * context_len),
+                                       add_special_tokens=False)  # fmt: skip
+        windows = windows_of(ids, context_len, 1)
+        outputs = [out for window in windows for out in service.submit(window, SCORE_PARAMS)]
+        return perplexity(mean_nll([out for out in outputs if out.finished], windows))
+    except (ValueError, RuntimeError, AttributeError, TypeError) as e:
+        logger.warning("compare: no perplexity for this side: %s", e)
+        return None
+
+
 class EngineSide:
     """A CompareSide that builds an engine with its config, polls its block map while the
     load test runs, keeps the run's steps and shuts the engine down."""
@@ -327,14 +353,21 @@ class EngineSide:
         try:
             if self._service is not None:
                 outcome.weight_bytes = self._service.weight_bytes
-            if run is not None and run.done.is_set():
+            ran = run is not None and run.done.is_set()
+            if ran:
                 steps = self._service.stats().steps
                 outcome.steps = [s for s in steps if s.start_time >= run.start_time]
+            self._stop_poller(outcome)
+            if ran:  # after the run's steps and peak are kept: scoring is not part of the run
+                outcome.perplexity = held_out_perplexity(self._service)
         finally:
-            if self._poller is not None:
-                outcome.peak = self._poller.stop()
-                self._poller = None
+            self._stop_poller(outcome)
             self._shutdown()
+
+    def _stop_poller(self, outcome: SideOutcome) -> None:
+        if self._poller is not None:
+            outcome.peak = self._poller.stop()
+            self._poller = None
 
     def _shutdown(self) -> None:
         if self._service is not None:
