@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-prefix bench-spec soak gpu-check clean
+.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-prefix bench-spec bench-kvq soak gpu-check clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -73,6 +73,9 @@ bench-prefix: setup
 
 bench-spec: setup
 	$(BIN)/python -m benchmarks.spec $(ARGS)
+
+bench-kvq: setup
+	$(BIN)/python -m benchmarks.kv_quant $(ARGS)
 
 # Not part of `make test`: 5,000 mixed requests with aborts and hang-ups (minutes on a CPU).
 # A short one: make soak ARGS='--num-requests 300 --model random:tiny'

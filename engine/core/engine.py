@@ -25,7 +25,7 @@ from engine.core.spec_decode import NgramProposer
 from engine.request import Request, RequestOutput, SamplingParams, new_request_id
 from engine.runner.model_loader import load_tokenizer, resolve_model
 from engine.runner.model_runner import ModelRunner
-from engine.telemetry.cost import ModelShape
+from engine.telemetry.cost import ModelShape, kv_bytes_per_element
 from engine.telemetry.prom_null import NullMetricsRegistry
 from engine.telemetry.recorder import MetricsSink, StepRecorder
 from engine.telemetry.stats import EngineStats, RequestProgress
@@ -74,7 +74,8 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_token_ids()
         itemsize = self.runner.dtype.itemsize
-        self.shape = ModelShape.from_arch(arch, itemsize, kv_bytes_per_element=itemsize)
+        kv_bytes = kv_bytes_per_element(config.kv_cache_dtype, itemsize, arch.head_dim)
+        self.shape = ModelShape.from_arch(arch, itemsize, kv_bytes_per_element=kv_bytes)
         self.metrics_registry = make_metrics(self.model_name)  # /metrics renders it
         self.recorder = StepRecorder(
             self.shape,

@@ -7,7 +7,6 @@ new tokens + context blocks); nothing is rebuilt per layer.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -101,14 +100,10 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self.model = self._load_model(source)
         self.kv_spec = self._plan_kv_cache()
-        # One tensor for all layers: [layers, 2 (K, V), *per-layer layout of the backend].
-        self.kv_cache = torch.zeros(
-            self.arch.num_layers, 2, *self.attn_backend.kv_cache_shape(self.kv_spec.num_blocks),
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
-        self.kv_caches = [
-            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)
-        ]
+        # Per layer (K, V[, K scales, V scales]), views of one [layers, 2, ...] tensor each.
+        self.kv_caches = self.attn_backend.allocate_kv_caches(
+            self.arch.num_layers, self.kv_spec.num_blocks
+        )
         if self._use_cuda_graphs():
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, self.kv_caches, config.max_num_seqs, max_model_len
@@ -119,9 +114,15 @@ class ModelRunner:
     def _make_backend(self, name: str) -> AttentionBackend:
         if name == "auto":
             name = default_backend_name(self.device.type)
-        arch = self.arch
+        arch, kv_dtype = self.arch, self.config.kv_cache_dtype
+        # Triton converts to/from float8e4nv in hardware only from sm_89 (Ada, Hopper).
+        if kv_dtype == "fp8" and name == "triton" and not _has_fp8(self.device):
+            raise ValueError(
+                "kv_cache_dtype: fp8 with the Triton backend needs a GPU of compute "
+                "capability >= 8.9; use int8, or attention_backend='torch'"
+            )
         return get_backend(name)(
-            arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype, self.device
+            arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype, self.device, kv_dtype
         )
 
     def _use_cuda_graphs(self) -> bool:
@@ -144,15 +145,17 @@ class ModelRunner:
         return model.eval().requires_grad_(False)
 
     def _plan_kv_cache(self) -> KVCacheSpec:
-        # K and V of every layer, in the backend's own layout.
-        elements_per_block = math.prod(self.attn_backend.kv_cache_shape(1))
-        bytes_per_block = 2 * self.arch.num_layers * elements_per_block * self.dtype.itemsize
+        # K and V of every layer in the backend's layout and the storage dtype (plus scales):
+        # the same byte budget holds ~2x the blocks in int8/fp8 as in a 16-bit dtype.
+        num_layers = self.arch.num_layers
+        bytes_per_block = self.attn_backend.kv_bytes_per_block(num_layers)
+        fixed_bytes = self.attn_backend.kv_fixed_bytes(num_layers)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
-            num_blocks = self._profile_cuda_blocks(bytes_per_block)
+            num_blocks = self._profile_cuda_blocks(bytes_per_block, fixed_bytes)
         else:
-            num_blocks = self.config.kv_cache_memory_bytes // bytes_per_block
+            num_blocks = (self.config.kv_cache_memory_bytes - fixed_bytes) // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
                 f"num_kv_blocks: the KV budget holds no block of {bytes_per_block} bytes; "
@@ -160,7 +163,7 @@ class ModelRunner:
             )
         return KVCacheSpec(num_blocks, self.block_size, bytes_per_block)
 
-    def _profile_cuda_blocks(self, bytes_per_block: int) -> int:
+    def _profile_cuda_blocks(self, bytes_per_block: int, fixed_bytes: int) -> int:
         """Blocks that fit in gpu_memory_utilization x device memory after weights and a
         worst-case forward pass (max_num_batched_tokens tokens) have taken their share."""
         torch.cuda.empty_cache()
@@ -170,7 +173,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.gpu_memory_utilization) - peak
+        budget = int(total * self.config.gpu_memory_utilization) - peak - fixed_bytes
         return max(0, budget // bytes_per_block)
 
     def profile_forward(self, num_tokens: int) -> None:
@@ -183,12 +186,8 @@ class ModelRunner:
             Request("profile", [0] * num_tokens, _PROFILE_PARAMS, arrival_time=0.0),
             num_tokens, list(range(num_blocks)),
         )  # fmt: skip
-        shape = self.attn_backend.kv_cache_shape(num_blocks)
         saved = getattr(self, "kv_caches", None)
-        self.kv_caches = [
-            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
-            for _ in range(self.arch.num_layers)
-        ]
+        self.kv_caches = self.attn_backend.allocate_kv_caches(self.arch.num_layers, num_blocks)
         try:
             self.execute(SchedulerOutput(scheduled=[dummy], num_prefill_tokens=num_tokens))
         finally:
@@ -366,12 +365,20 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the allocated K and V tensors (must equal metrics.kv_cache_bytes)."""
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        """Bytes of the allocated K and V tensors and their scales (every layer's caches are
+        views of one data and one scale tensor; must equal metrics.kv_cache_bytes)."""
+        first = self.kv_caches[0]
+        tensors = [first.key] if first.key_scale is None else [first.key, first.key_scale]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _has_fp8(device: torch.device) -> bool:
+    """Whether Triton can convert float8e4nv on `device` (the CPU interpreter can load it)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _draft_ids(scheduled: ScheduledRequest) -> list[int]:
