@@ -289,6 +289,7 @@ class LLMEngine:
             num_prefix_evictions_total=self.block_manager.num_evictions_total,
             num_draft_tokens_total=recorder.num_draft_tokens_total,
             num_accepted_tokens_total=recorder.num_accepted_tokens_total,
+            kv_cache_dtype=self.runner.kv_cache_dtype_name,
             num_steps_total=recorder.num_steps,
             num_step_failures_total=recorder.num_step_failures_total,
             steps=recorder.step_history.snapshot(),

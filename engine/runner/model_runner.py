@@ -371,6 +371,11 @@ class ModelRunner:
         tensors = [first.key] if first.key_scale is None else [first.key, first.key_scale]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """The K/V element type in the pool: "bfloat16", "int8", "float8_e4m3fn", ..."""
+        return str(self.attn_backend.kv_storage_dtype).removeprefix("torch.")
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
