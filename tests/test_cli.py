@@ -7,7 +7,7 @@ import typing
 import pytest
 
 import app
-from benchmarks import prefix, spec, throughput
+from benchmarks import kv_quant, prefix, spec, throughput
 from engine.cli import FLAG_HELP, add_engine_args, config_from_args
 from engine.config import EngineConfig, literal_choices
 from engine.serving import server
@@ -20,6 +20,10 @@ CLIS = {
     "benchmarks.throughput": (throughput.build_parser, {"seed", "batching"}),
     "benchmarks.prefix": (prefix.build_parser, {"seed", "enable_prefix_caching"}),
     "benchmarks.spec": (spec.build_parser, {"seed", "speculative_method", "max_num_seqs"}),
+    "benchmarks.kv_quant": (
+        kv_quant.build_parser,
+        {"seed", "kv_cache_dtype", "kv_cache_memory_bytes"},
+    ),
 }
 
 
