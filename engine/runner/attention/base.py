@@ -159,7 +159,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def build_metadata(
-        self, inputs: AttentionInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, inputs: AttentionInputs, kv_caches: list[LayerKVCache]
     ) -> AttentionMetadata:
         """Once per step, before the forward pass: everything the layers share."""
 

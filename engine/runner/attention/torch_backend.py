@@ -66,7 +66,7 @@ class TorchBackend(AttentionBackend):
         return torch_attention(q, k, v, kv_cache, meta, scale)
 
     def build_metadata(
-        self, inputs: AttentionInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, inputs: AttentionInputs, kv_caches: list[LayerKVCache]
     ) -> TorchAttentionMetadata:
         num_blocks = kv_caches[0][0].shape[1]  # head-major [Hkv, blocks, bs, D]
         meta = TorchAttentionMetadata(

@@ -47,7 +47,7 @@ class TritonBackend(AttentionBackend):
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def build_metadata(
-        self, inputs: AttentionInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, inputs: AttentionInputs, kv_caches: list[LayerKVCache]
     ) -> TritonAttentionMetadata:
         dev, bs = self.device, self.block_size
         meta = TritonAttentionMetadata(
