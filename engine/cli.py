@@ -32,6 +32,8 @@ FLAG_HELP: dict[str, str] = {
     "for the Compare tab's engines with big models)",
     "kv_layout": "paged, or contiguous: each request reserves max_model_len tokens up front "
     "(the pre-PagedAttention baseline)",
+    "kv_cache_dtype": "K/V storage: auto = the model dtype; int8 (a scale per token and KV "
+    "head) or fp8 (e4m3, per-layer scales) hold ~2x the tokens of a 16-bit pool",
     "enable_prefix_caching": "share the KV blocks of prompt prefixes seen before (a chat's "
     "earlier turns)",
     "max_num_seqs": "most requests in one step",

@@ -12,6 +12,10 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Batching = Literal["continuous", "static"]
 KVLayout = Literal["paged", "contiguous"]
+# "auto" = the model dtype; "int8" = symmetric int8 with a scale per token and KV head;
+# "fp8" = float8_e4m3fn with per-layer, per-KV-head K and V scales (engine/runner/attention/
+# kv_quant.py). Either halves the KV bytes of a 16-bit model.
+KVCacheDType = Literal["auto", "int8", "fp8"]
 AttentionBackend = Literal["auto", "triton", "torch"]
 SpeculativeMethod = Literal["off", "ngram"]
 # Weight-only quantization of every linear layer (engine/runner/quant): int8 = per-output-channel
@@ -48,6 +52,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES  # CPU budget for the KV cache
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
     kv_layout: KVLayout = "paged"
+    kv_cache_dtype: KVCacheDType = "auto"  # storage of K/V in the cache (see KVCacheDType)
     # Share the KV blocks of prompt prefixes computed before (needs the paged layout).
     enable_prefix_caching: bool = False
 

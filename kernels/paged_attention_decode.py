@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import check_kv_cache
+from kernels.kv_store import NO_QUANT, check_kv_cache, check_kv_scales, kv_quant_mode
 
 LOG2_E = 1.4426950408889634
 MIN_PARTITION_TOKENS = 128
@@ -49,29 +49,58 @@ def dot_f32(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def load_kv_tile(
-    k_cache_ptr, v_cache_ptr, block_table, positions, valid, kv_head, dims,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table, positions, valid, kv_head,
+    dims, compute_dtype: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
-    """K and V rows [TILE, HEAD_DIM] of one KV head at `positions`, through the block table.
+    """K and V rows [TILE, HEAD_DIM] of one KV head at `positions`, through the block table,
+    in `compute_dtype` (int8 and e4m3 values are exact in float16/bfloat16), plus int8's
+    per-token K and V scales [TILE] (ones otherwise; the caller folds them into the products).
     Invalid positions load zeros (and read block 0's address, never dereferenced)."""
     block = tl.load(block_table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     slots = block * BLOCK_SIZE + positions % BLOCK_SIZE
     kv_offsets = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
     key = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
     value = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-    return key, value
+    if KV_QUANT == 1:  # INT8_PER_TOKEN: scales are [slots, heads]
+        key_scale = tl.load(k_scale_ptr + slots * NUM_KV_HEADS + kv_head, mask=valid, other=0.0)
+        value_scale = tl.load(v_scale_ptr + slots * NUM_KV_HEADS + kv_head, mask=valid, other=0.0)
+        key_scale = key_scale.to(tl.float32)
+        value_scale = value_scale.to(tl.float32)
+    else:
+        key_scale = tl.full(positions.shape, 1.0, tl.float32)
+        value_scale = key_scale
+    if KV_QUANT != 0:
+        key = key.to(tl.float32).to(compute_dtype)
+        value = value.to(tl.float32).to(compute_dtype)
+    return key, value, key_scale, value_scale
 
 
 @triton.jit
-def online_softmax_step(scores, value, row_max, row_sum, acc, UPCAST: tl.constexpr):
+def head_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_QUANT: tl.constexpr):
+    """fp8's K and V scales of one KV head (1.0 otherwise). Each program handles one KV head,
+    so they fold exactly into the softmax scale (K) and the output normalization (V)."""
+    if KV_QUANT == 2:  # FP8_PER_HEAD
+        return tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)
+    return 1.0, 1.0
+
+
+@triton.jit
+def online_softmax_step(
+    scores, value, value_scale, row_max, row_sum, acc, UPCAST: tl.constexpr,
+    PER_TOKEN_SCALES: tl.constexpr,
+):  # fmt: skip
     """Fold one tile of masked log2-domain scores [ROWS, TILE] and its values into the running
     (max m, sum l, unnormalized acc):  m' = max(m, max s),  l' = l 2^(m - m') + sum 2^(s - m'),
-    acc' = acc 2^(m - m') + 2^(s - m') V."""
+    acc' = acc 2^(m - m') + 2^(s - m') V. With int8's per-token V scales s_v, V = V_q diag(s_v)
+    and the product is (2^(s - m') diag(s_v)) V_q: the scales weight the probabilities' columns
+    (TILE multiplies instead of TILE x HEAD_DIM), the sum l keeps the unweighted ones."""
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     rescale = tl.exp2(row_max - new_max)
     probs = tl.exp2(scores - new_max[:, None])
     row_sum = row_sum * rescale + tl.sum(probs, 1)
-    acc = acc * rescale[:, None] + dot_f32(probs.to(value.dtype), value, UPCAST)
+    weights = probs * value_scale[None, :] if PER_TOKEN_SCALES else probs
+    acc = acc * rescale[:, None] + dot_f32(weights.to(value.dtype), value, UPCAST)
     return new_max, row_sum, acc
 
 
@@ -80,6 +109,8 @@ def _decode_partition_kernel(
     query_ptr,  # [batch, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,
+    k_scale_ptr,  # int8: [num_slots, num_kv_heads] f16; fp8: [num_kv_heads] f32; else unused
+    v_scale_ptr,
     block_tables_ptr,  # int32 [batch, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [batch]
     out_ptr,  # [batch, num_heads, head_dim]; written only when DIRECT_OUTPUT
@@ -101,6 +132,7 @@ def _decode_partition_kernel(
     PARTITION_TOKENS: tl.constexpr,
     DIRECT_OUTPUT: tl.constexpr,  # one partition: normalize and write out, no reduce pass
     UPCAST_DOT: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # kv_store.py's modes: 0 none, 1 int8 per token, 2 fp8 per head
 ):
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
@@ -126,20 +158,26 @@ def _decode_partition_kernel(
     row_sum = tl.zeros([GROUP_ROWS], tl.float32)
     acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
     block_table = block_tables_ptr + batch.to(tl.int64) * stride_block_tables_batch
+    key_head_scale, value_head_scale = head_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_QUANT)
+    score_scale = scale_log2 * key_head_scale  # q . (s_k k_q) = s_k (q . k_q)
     # Every tile holds at least one valid token (tile_start < end), so row_max is finite
     # after the first tile and exp2(row_max - new_max) never sees -inf - -inf.
     for tile_start in range(start, end, TILE_TOKENS):
         positions = tile_start + tl.arange(0, TILE_TOKENS)
         valid = positions < end
-        key, value = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table, positions, valid, kv_head, dims,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+        key, value, key_scale, value_scale = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table, positions, valid,
+            kv_head, dims, query_ptr.dtype.element_ty, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+            KV_QUANT,
         )  # fmt: skip
-        scores = dot_f32(query, tl.trans(key), UPCAST_DOT) * scale_log2  # [ROWS, TILE]
+        scores = dot_f32(query, tl.trans(key), UPCAST_DOT) * score_scale  # [ROWS, TILE]
+        if KV_QUANT == 1:  # int8: each key column's own scale
+            scores = scores * key_scale[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         row_max, row_sum, acc = online_softmax_step(
-            scores, value, row_max, row_sum, acc, UPCAST_DOT
+            scores, value, value_scale, row_max, row_sum, acc, UPCAST_DOT, KV_QUANT == 1
         )
+    acc = acc * value_head_scale  # sum_j p_j (s_v v_j) = s_v sum_j p_j v_j
 
     if DIRECT_OUTPUT:
         # A request with seq_len 0 (batch padding) gets zeros instead of 0/0.
@@ -276,7 +314,9 @@ def check_attention_inputs(
     assert query.dtype in (torch.float32, torch.float16, torch.bfloat16), (
         f"query dtype must be float32/float16/bfloat16, got {query.dtype}"
     )
-    assert query.dtype == k_cache.dtype, f"query {query.dtype} != kv cache {k_cache.dtype}"
+    assert query.dtype == k_cache.dtype or kv_quant_mode(k_cache.dtype) != NO_QUANT, (
+        f"query {query.dtype} != kv cache {k_cache.dtype}"
+    )
     assert query.device == k_cache.device, f"query on {query.device}, cache on {k_cache.device}"
     assert query.stride(2) == 1, f"query must be contiguous in head_dim, strides {query.stride()}"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_requests, (
@@ -316,13 +356,17 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,  # [batch, num_heads, head_dim], query dtype
     launch: Launch | None = None,  # default decode_launch(); set by tuning sweeps
+    k_scale: torch.Tensor | None = None,  # int8 / fp8 caches: kv_store's scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's newest token over positions [0, seq_len). Returns out.
 
     The new token's K/V must already be in the cache (kv_store first). seq_len 0 gives zeros.
+    An int8 or float8_e4m3fn cache is dequantized after load (scales as kv_store wrote them).
     """
     batch = query.shape[0] if query.dim() == 3 else -1
     check_attention_inputs(query, k_cache, v_cache, block_tables, seq_lens, batch, out)
+    check_kv_scales(k_cache, k_scale, v_scale)
     out = torch.empty_like(query) if out is None else out
     if batch == 0:
         return out
@@ -349,6 +393,8 @@ def paged_attention_decode(
         query,
         k_cache,
         v_cache,
+        k_cache if k_scale is None else k_scale,  # unused without quantization
+        v_cache if v_scale is None else v_scale,
         block_tables,
         seq_lens,
         out,
@@ -370,6 +416,7 @@ def paged_attention_decode(
         PARTITION_TOKENS=partition_tokens,
         DIRECT_OUTPUT=direct,
         UPCAST_DOT=upcast_dot(query.dtype, query.device),
+        KV_QUANT=kv_quant_mode(k_cache.dtype),
         num_warps=launch.num_warps,
     )
     if not direct:

@@ -23,11 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import check_kv_scales, kv_quant_mode
 from kernels.paged_attention_decode import (
     LOG2_E,
     Launch,
     check_attention_inputs,
     dot_f32,
+    head_scales,
     load_kv_tile,
     online_softmax_step,
     upcast_dot,
@@ -66,6 +68,8 @@ def _prefill_kernel(
     query_ptr,  # [total_query_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,
+    k_scale_ptr,  # int8: [num_slots, num_kv_heads] f16; fp8: [num_kv_heads] f32; else unused
+    v_scale_ptr,
     block_tables_ptr,  # int32 [batch, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [batch]
     query_start_loc_ptr,  # int32 [batch + 1]
@@ -85,6 +89,7 @@ def _prefill_kernel(
     TILE_QUERY_TOKENS: tl.constexpr,
     TILE_TOKENS: tl.constexpr,  # context tokens per K/V tile
     UPCAST_DOT: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # kv_store.py's modes: 0 none, 1 int8 per token, 2 fp8 per head
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,21 +119,27 @@ def _prefill_kernel(
     row_sum = tl.zeros([BLOCK_ROWS], tl.float32)
     acc = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32)
     block_table = block_tables_ptr + request.to(tl.int64) * stride_block_tables_batch
+    key_head_scale, value_head_scale = head_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_QUANT)
+    score_scale = scale_log2 * key_head_scale  # fp8: q . (s_k k_q) = s_k (q . k_q)
     for tile_start in range(0, context_end, TILE_TOKENS):
         positions = tile_start + tl.arange(0, TILE_TOKENS)
         valid = positions < context_end
-        key, value = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table, positions, valid, kv_head, dims,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+        key, value, key_scale, value_scale = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table, positions, valid,
+            kv_head, dims, query_ptr.dtype.element_ty, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+            KV_QUANT,
         )  # fmt: skip
-        scores = dot_f32(query, tl.trans(key), UPCAST_DOT) * scale_log2  # [ROWS, TILE]
+        scores = dot_f32(query, tl.trans(key), UPCAST_DOT) * score_scale  # [ROWS, TILE]
+        if KV_QUANT == 1:  # int8: each key column's own scale
+            scores = scores * key_scale[None, :]
         causal = valid[None, :] & (positions[None, :] <= query_positions[:, None])
         scores = tl.where(causal, scores, float("-inf"))
         row_max, row_sum, acc = online_softmax_step(
-            scores, value, row_max, row_sum, acc, UPCAST_DOT
+            scores, value, value_scale, row_max, row_sum, acc, UPCAST_DOT, KV_QUANT == 1
         )
 
-    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    # fp8's V scale folds into the normalization: sum_j p_j (s_v v_j) / l = s_v acc / l.
+    out = acc * (value_head_scale / tl.where(row_sum > 0, row_sum, 1.0))[:, None]
     out_offsets = tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head
     tl.store(
         out_ptr + out_offsets + dims[None, :],
@@ -147,14 +158,18 @@ def paged_attention_prefill(
     scale: float,
     out: torch.Tensor | None = None,  # [total_query_tokens, num_heads, head_dim]
     launch: Launch | None = None,  # default prefill_launch(); set by tuning sweeps
+    k_scale: torch.Tensor | None = None,  # int8 / fp8 caches: kv_store's scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its context. Returns out.
 
     Expects query_start_loc[-1] == total_query_tokens and q_len_b <= seq_len_b (not checked:
-    reading device values would sync the host).
+    reading device values would sync the host). An int8 or float8_e4m3fn cache is dequantized
+    after load (scales as kv_store wrote them).
     """
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     check_attention_inputs(query, k_cache, v_cache, block_tables, seq_lens, batch, out)
+    check_kv_scales(k_cache, k_scale, v_scale)
     assert query_start_loc.shape == (batch + 1,), (
         f"query_start_loc must be [batch + 1] = [{batch + 1}], got {tuple(query_start_loc.shape)}"
     )
@@ -181,6 +196,8 @@ def paged_attention_prefill(
         query,
         k_cache,
         v_cache,
+        k_cache if k_scale is None else k_scale,  # unused without quantization
+        v_cache if v_scale is None else v_scale,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -200,6 +217,7 @@ def paged_attention_prefill(
         TILE_QUERY_TOKENS=tile_query_tokens,
         TILE_TOKENS=launch.tile_tokens,
         UPCAST_DOT=upcast_dot(query.dtype, query.device),
+        KV_QUANT=kv_quant_mode(k_cache.dtype),
         num_warps=launch.num_warps,
     )
     return out

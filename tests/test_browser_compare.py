@@ -1,6 +1,6 @@
 """Compare, Load test and KV calculator in a real browser (Debian's Chromium through
 Playwright, as tests/test_browser.py, whose app and page fixtures this reuses): switching
-presets resets the form; Stop in the Load test reports the aborted requests; the KV memory
+presets resets the form (the KV preset sets side B to int8); Stop in the Load test reports the aborted requests; the KV memory
 fraction typed + Enter never raises. Needs /usr/bin/chromium; never downloads a browser."""
 
 from __future__ import annotations
@@ -55,6 +55,20 @@ def test_switching_presets_sets_every_field_and_resets_the_others(page):
     expect(_number(page, "tab-compare", "max_num_seqs", 1)).to_have_value("4")
     # Fields the distribution does not use are hidden (uniform lengths: no "mean").
     expect(_number(page, "tab-compare", "tokens (fixed) / mean")).to_be_hidden()
+
+
+def test_kv_preset_sets_int8_on_side_b_and_the_budget(page):
+    """The KV-cache dtype toggle is in both side forms; the preset sets A auto, B int8."""
+    open_tab(page, "Compare")
+    int8 = page.locator("#tab-compare").get_by_label("int8", exact=True)
+    expect(int8.nth(0)).not_to_be_checked()  # the default preset: both sides "auto"
+    expect(int8.nth(1)).not_to_be_checked()
+    _pick(page, "tab-compare", "Preset", "KV 16-bit vs int8 at the same memory budget")
+    expect(int8.nth(0)).not_to_be_checked()
+    expect(int8.nth(1)).to_be_checked()
+    expect(page.locator("#compare-headline")).to_contain_text("Most requests running at once")
+    budget = "KV budget (tokens at the model dtype; the same bytes on both sides)"
+    expect(_number(page, "tab-compare", budget)).to_have_value("1152")
 
 
 def test_stop_in_the_load_test_reports_the_aborted_requests(page):

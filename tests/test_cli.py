@@ -7,7 +7,7 @@ import typing
 import pytest
 
 import app
-from benchmarks import prefix, quant, spec, throughput
+from benchmarks import kv_quant, prefix, quant, spec, throughput
 from engine.cli import FLAG_HELP, add_engine_args, config_from_args
 from engine.config import EngineConfig, literal_choices
 from engine.serving import server
@@ -21,6 +21,10 @@ CLIS = {
     "benchmarks.prefix": (prefix.build_parser, {"seed", "enable_prefix_caching"}),
     "benchmarks.spec": (spec.build_parser, {"seed", "speculative_method", "max_num_seqs"}),
     "benchmarks.quant": (quant.build_parser, {"seed", "quantization", "max_num_seqs"}),
+    "benchmarks.kv_quant": (
+        kv_quant.build_parser,
+        {"seed", "kv_cache_dtype", "kv_cache_memory_bytes"},
+    ),
 }
 
 
@@ -57,8 +61,8 @@ def test_literal_choices_are_the_annotations():
     hints = typing.get_type_hints(EngineConfig)
     assert literal_choices()["kv_layout"] == typing.get_args(hints["kv_layout"])
     assert set(literal_choices()) == {
-        "device", "dtype", "kv_layout", "batching", "speculative_method", "attention_backend",
-        "quantization",
+        "device", "dtype", "kv_layout", "kv_cache_dtype", "batching", "speculative_method",
+        "attention_backend", "quantization",
     }  # fmt: skip
     with pytest.raises(ValueError, match="kv_layout: must be one of paged, contiguous"):
         EngineConfig(kv_layout="ragged")  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ def test_every_dtype_runs(dtype):
     llm = LLM(model="random:tiny", dtype=dtype, num_kv_blocks=16, max_model_len=128)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 5
-    assert llm.engine.runner.kv_cache.dtype.itemsize == (4 if dtype == "float32" else 2)
+    assert llm.engine.runner.kv_caches[0].key.dtype.itemsize == (4 if dtype == "float32" else 2)
 
 
 def test_stop_token_ids_end_the_request_and_are_kept(tiny_llm):

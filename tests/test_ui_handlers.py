@@ -409,23 +409,23 @@ def test_summary_rows_and_compare_rows():
 def test_compare_side_configs_hold_the_kv_budget_in_tokens():
     base = EngineConfig(**SMALL_ENGINE)
     a, b = preset_sides("block size 64 vs 16")
-    assert side_config(base, a, 4096, 512).num_kv_blocks == 64
-    assert side_config(base, b, 4096, 512).num_kv_blocks == 256
+    assert side_config(base, a, 4096, 512, head_dim=64).num_kv_blocks == 64
+    assert side_config(base, b, 4096, 512, head_dim=64).num_kv_blocks == 256
     static, continuous = preset_sides("static vs continuous batching")
-    assert side_config(base, static, 4096, 512).batching == "static"
+    assert side_config(base, static, 4096, 512, head_dim=64).batching == "static"
     contiguous, _ = preset_sides("contiguous vs paged KV")
     with pytest.raises(ValueError, match="reserves max_model_len"):
-        side_config(base, contiguous, 256, 512)
+        side_config(base, contiguous, 256, 512, head_dim=64)
     with pytest.raises(ValueError, match="max_num_seqs"):
-        side_config(base, {**continuous, "max_num_seqs": 0}, 4096, 512)
+        side_config(base, {**continuous, "max_num_seqs": 0}, 4096, 512, head_dim=64)
     off, on = preset_sides("prefix caching off vs on (shared prompt prefix)")
-    assert side_config(base, on, 4096, 512).enable_prefix_caching
-    assert not side_config(base, off, 4096, 512).enable_prefix_caching
+    assert side_config(base, on, 4096, 512, head_dim=64).enable_prefix_caching
+    assert not side_config(base, off, 4096, 512, head_dim=64).enable_prefix_caching
     with pytest.raises(ValueError, match="paged KV layout"):
-        side_config(base, {**on, "kv_layout": "contiguous"}, 4096, 512)
+        side_config(base, {**on, "kv_layout": "contiguous"}, 4096, 512, head_dim=64)
     plain, ngram = preset_sides("speculative decoding off vs n-gram")
-    assert side_config(base, ngram, 4096, 512).speculative_method == "ngram"
-    assert side_config(base, plain, 4096, 512).speculative_method == "off"
+    assert side_config(base, ngram, 4096, 512, head_dim=64).speculative_method == "ngram"
+    assert side_config(base, plain, 4096, 512, head_dim=64).speculative_method == "off"
 
 
 # --- handlers with a real engine ------------------------------------------------------------
@@ -601,11 +601,15 @@ def test_background_compare_runs_both_sides_and_keeps_peak_maps(service):
                            "input_mean": 16, "output_kind": "fixed", "output_mean": 3})  # fmt: skip
     static, continuous = preset_sides("static vs continuous batching")
     sides = [
-        ("A", side_label("A", static, continuous), side_config(service.config, static, 1024, 256)),
+        (
+            "A",
+            side_label("A", static, continuous),
+            side_config(service.config, static, 1024, 256, head_dim=64),
+        ),
         (
             "B",
             side_label("B", continuous, static),
-            side_config(service.config, continuous, 1024, 256),
+            side_config(service.config, continuous, 1024, 256, head_dim=64),
         ),
     ]
     requests = build_requests(spec, service.tokenizer)
@@ -636,7 +640,7 @@ def test_compare_prefix_caching_computes_only_the_uncached_prompt_tokens(service
                            "prefix_len": PRESET_DEFAULTS[name].workload["prefix_len"]})  # fmt: skip
     off, on = preset_sides(name)
     sides = [
-        (n, side_label(n, side, other), side_config(service.config, side, 1024, 256))
+        (n, side_label(n, side, other), side_config(service.config, side, 1024, 256, head_dim=64))
         for n, side, other in (("A", off, on), ("B", on, off))
     ]
     requests = build_requests(spec, service.tokenizer)

@@ -31,7 +31,7 @@ from engine.request import (
 )
 from engine.runner.model_loader import load_tokenizer, resolve_model
 from engine.runner.model_runner import ModelRunner
-from engine.telemetry.cost import ModelShape
+from engine.telemetry.cost import ModelShape, kv_bytes_per_element
 from engine.telemetry.prom_null import NullMetricsRegistry
 from engine.telemetry.recorder import MetricsSink, StepRecorder
 from engine.telemetry.stats import EngineStats, RequestProgress
@@ -83,7 +83,9 @@ class LLMEngine:
         self.shape = ModelShape.from_arch(
             arch,
             itemsize,
-            kv_bytes_per_element=itemsize,
+            kv_bytes_per_element=kv_bytes_per_element(
+                config.kv_cache_dtype, itemsize, arch.head_dim
+            ),
             linear_bytes_per_param=self.runner.linear_bytes_per_param,
         )
         self.metrics_registry = make_metrics(self.model_name)  # /metrics renders it
@@ -374,6 +376,7 @@ class LLMEngine:
             num_draft_tokens_total=recorder.num_draft_tokens_total,
             num_accepted_tokens_total=recorder.num_accepted_tokens_total,
             num_block_copies_total=self.block_manager.num_block_copies_total,
+            kv_cache_dtype=self.runner.kv_cache_dtype_name,
             num_steps_total=recorder.num_steps,
             num_step_failures_total=recorder.num_step_failures_total,
             steps=recorder.step_history.snapshot(),

@@ -19,6 +19,7 @@ import torch
 
 from engine.core.block_manager import cdiv
 from engine.runner.attention.base import AttentionBackend, DecodeGraphBuffers
+from engine.runner.attention.kv_quant import LayerKVCache
 from engine.runner.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class CudaGraphRunner:
         self,
         model: LlamaForCausalLM,
         attn_backend: AttentionBackend,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         max_num_seqs: int,
         max_model_len: int,
     ) -> None:

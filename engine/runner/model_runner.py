@@ -7,7 +7,6 @@ new tokens + context blocks); nothing is rebuilt per layer.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 from dataclasses import dataclass
@@ -79,20 +78,14 @@ class ModelRunner:
         self.quant_summary: QuantSummary | None = None  # set by _load_model when quantized
         self.model = self._load_model(source)
         self.kv_spec = self._plan_kv_cache()
-        # One tensor for all layers: [layers, 2 (K, V), *per-layer layout of the backend].
-        self.kv_cache = torch.zeros(
-            self.arch.num_layers, 2, *self.attn_backend.kv_cache_shape(self.kv_spec.num_blocks),
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
-        self.kv_caches = [
-            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_layers)
-        ]
-        # The block axis of kv_cache (after layers and K/V): where the backend's layout puts
-        # it, found as the one axis that grows with the number of blocks.
-        one, two = self.attn_backend.kv_cache_shape(1), self.attn_backend.kv_cache_shape(2)
-        self._block_axis = 2 + next(
-            i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b
+        # Per layer (K, V[, K scales, V scales]), views of one [layers, 2, ...] tensor each.
+        self.kv_caches = self.attn_backend.allocate_kv_caches(
+            self.arch.num_layers, self.kv_spec.num_blocks
         )
+        # The block axis of one layer's K/V (and int8 scale) tensors: where the backend's
+        # layout puts it, found as the one axis that grows with the number of blocks.
+        one, two = self.attn_backend.kv_cache_shape(1), self.attn_backend.kv_cache_shape(2)
+        self._block_axis = next(i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)
         if self._use_cuda_graphs():
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, self.kv_caches, config.max_num_seqs, max_model_len
@@ -103,9 +96,15 @@ class ModelRunner:
     def _make_backend(self, name: str) -> AttentionBackend:
         if name == "auto":
             name = default_backend_name(self.device.type)
-        arch = self.arch
+        arch, kv_dtype = self.arch, self.config.kv_cache_dtype
+        # Triton converts to/from float8e4nv in hardware only from sm_89 (Ada, Hopper).
+        if kv_dtype == "fp8" and name == "triton" and not _has_fp8(self.device):
+            raise ValueError(
+                "kv_cache_dtype: fp8 with the Triton backend needs a GPU of compute "
+                "capability >= 8.9; use int8, or attention_backend='torch'"
+            )
         return get_backend(name)(
-            arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype, self.device
+            arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype, self.device, kv_dtype
         )
 
     def _use_cuda_graphs(self) -> bool:
@@ -145,15 +144,17 @@ class ModelRunner:
         return model
 
     def _plan_kv_cache(self) -> KVCacheSpec:
-        # K and V of every layer, in the backend's own layout.
-        elements_per_block = math.prod(self.attn_backend.kv_cache_shape(1))
-        bytes_per_block = 2 * self.arch.num_layers * elements_per_block * self.dtype.itemsize
+        # K and V of every layer in the backend's layout and the storage dtype (plus scales):
+        # the same byte budget holds ~2x the blocks in int8/fp8 as in a 16-bit dtype.
+        num_layers = self.arch.num_layers
+        bytes_per_block = self.attn_backend.kv_bytes_per_block(num_layers)
+        fixed_bytes = self.attn_backend.kv_fixed_bytes(num_layers)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
-            num_blocks = self._profile_cuda_blocks(bytes_per_block)
+            num_blocks = self._profile_cuda_blocks(bytes_per_block, fixed_bytes)
         else:
-            num_blocks = self.config.kv_cache_memory_bytes // bytes_per_block
+            num_blocks = (self.config.kv_cache_memory_bytes - fixed_bytes) // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
                 f"num_kv_blocks: the KV budget holds no block of {bytes_per_block} bytes; "
@@ -161,7 +162,7 @@ class ModelRunner:
             )
         return KVCacheSpec(num_blocks, self.block_size, bytes_per_block)
 
-    def _profile_cuda_blocks(self, bytes_per_block: int) -> int:
+    def _profile_cuda_blocks(self, bytes_per_block: int, fixed_bytes: int) -> int:
         """Blocks that fit in gpu_memory_utilization x device memory after weights and a
         worst-case forward pass (max_num_batched_tokens tokens) have taken their share."""
         torch.cuda.empty_cache()
@@ -171,7 +172,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.gpu_memory_utilization) - peak
+        budget = int(total * self.config.gpu_memory_utilization) - peak - fixed_bytes
         return max(0, budget // bytes_per_block)
 
     def profile_forward(self, num_tokens: int) -> None:
@@ -184,12 +185,8 @@ class ModelRunner:
             Request("profile", [0] * num_tokens, _PROFILE_PARAMS, arrival_time=0.0),
             num_tokens, list(range(num_blocks)),
         )  # fmt: skip
-        shape = self.attn_backend.kv_cache_shape(num_blocks)
         saved = getattr(self, "kv_caches", None)
-        self.kv_caches = [
-            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
-            for _ in range(self.arch.num_layers)
-        ]
+        self.kv_caches = self.attn_backend.allocate_kv_caches(self.arch.num_layers, num_blocks)
         try:
             self.execute(SchedulerOutput(scheduled=[dummy], num_prefill_tokens=num_tokens))
         finally:
@@ -224,7 +221,12 @@ class ModelRunner:
         axis = self._block_axis
         source = torch.tensor([s for s, _ in pairs], device=self.device)
         destination = torch.tensor([d for _, d in pairs], device=self.device)
-        self.kv_cache.index_copy_(axis, destination, self.kv_cache.index_select(axis, source))
+        for layer in self.kv_caches:
+            tensors = [layer.key, layer.value]
+            if self.attn_backend.kv_cache_dtype == "int8":  # per-token scales live in blocks
+                tensors += [layer.key_scale, layer.value_scale]  # (fp8's are per head: shared)
+            for t in tensors:
+                t.index_copy_(axis, destination, t.index_select(axis, source))
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
@@ -387,12 +389,25 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the allocated K and V tensors (must equal metrics.kv_cache_bytes)."""
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        """Bytes of the allocated K and V tensors and their scales (every layer's caches are
+        views of one data and one scale tensor; must equal metrics.kv_cache_bytes)."""
+        first = self.kv_caches[0]
+        tensors = [first.key] if first.key_scale is None else [first.key, first.key_scale]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """The K/V element type in the pool: "bfloat16", "int8", "float8_e4m3fn", ..."""
+        return str(self.attn_backend.kv_storage_dtype).removeprefix("torch.")
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _has_fp8(device: torch.device) -> bool:
+    """Whether Triton can convert float8e4nv on `device` (the CPU interpreter can load it)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _draft_ids(scheduled: ScheduledRequest) -> list[int]:

@@ -235,6 +235,27 @@ def kv_cache_bytes(
     )
 
 
+# Bytes of one stored K or V element by EngineConfig.kv_cache_dtype (None = the model dtype).
+KV_STORAGE_BYTES = {"auto": None, "int8": 1, "fp8": 1}
+INT8_KV_SCALE_BYTES = 2  # int8 KV: one float16 scale per token and KV head, for K and for V
+
+
+def kv_bytes_per_element(
+    kv_cache_dtype: str, model_bytes_per_element: float, head_dim: int
+) -> float:
+    """Bytes one K or V element costs in the cache, scales included: the model dtype's size for
+    "auto"; 1 for fp8 (its per-layer scales do not grow with tokens); 1 + 2 / head_dim for
+    int8 (a float16 scale per head_dim elements: 1.03125 at head_dim 64). Multiplied into
+    kv_cache_bytes it gives the pool's real bytes, so the KV plan, the bytes-moved model and
+    the KV calculator agree."""
+    storage = KV_STORAGE_BYTES[kv_cache_dtype]
+    if storage is None:
+        return model_bytes_per_element
+    if kv_cache_dtype == "int8":
+        return storage + INT8_KV_SCALE_BYTES / head_dim
+    return storage
+
+
 def max_concurrency(
     memory_bytes: int,
     num_layers: int,

@@ -194,6 +194,9 @@ class EngineStats:
     num_accepted_tokens_total: int = 0
     # Parallel sampling: copy-on-write copies of shared KV blocks since start-up.
     num_block_copies_total: int = 0
+    # Element type of the K/V in the pool: "bfloat16", "float32", "int8", "float8_e4m3fn"
+    # (EngineConfig.kv_cache_dtype resolved); "" where not known (a remote server).
+    kv_cache_dtype: str = ""
     steps: list[StepStats] = field(default_factory=list)  # most recent last
     finished: list[FinishedRequest] = field(default_factory=list)  # most recent last
 

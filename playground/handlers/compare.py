@@ -193,10 +193,12 @@ COMPARE_ROWS = (
     ("Mean ITL (ms)", "mean_itl_ms", "lower"),
     ("P99 ITL (ms)", "p99_itl_ms", "lower"),
     ("Mean E2E latency (ms)", "mean_e2el_ms", "lower"),
+    ("KV pool (blocks)", "pool_blocks", None),
     ("Peak KV blocks held", "peak_blocks", "lower"),
     ("Peak KV tokens held (blocks x block size)", "peak_kv_tokens", "lower"),
     ("Engine steps", "num_steps", "lower"),
     ("Mean requests per step", "mean_batch", "higher"),
+    ("Most requests running at once", "max_running", "higher"),
     ("Preemptions", "preemptions", "lower"),
     ("Prompt tokens computed (prefill)", "prefill_tokens", "lower"),
     ("Prompt tokens from the prefix cache", "prefix_hit_tokens", "higher"),
@@ -243,8 +245,10 @@ def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
     if outcome.peak is not None:
         m["peak_blocks"] = blocks_held(outcome.peak)
         m["peak_kv_tokens"] = blocks_held(outcome.peak) * outcome.peak.block_size
+        m["pool_blocks"] = outcome.peak.num_blocks
     m["num_steps"] = len(steps)
     m["mean_batch"] = statistics.fmean(s.batch_size for s in steps) if steps else None
+    m["max_running"] = max((s.num_running for s in steps), default=None)
     m["preemptions"] = sum(s.num_preemptions for s in steps)
     m["prefill_tokens"] = sum(s.num_prefill_tokens for s in steps)
     m["prefix_hit_tokens"] = sum(s.num_prefix_hit_tokens for s in steps)

@@ -2,8 +2,9 @@
 run on the same seeded requests; the block map kept at each side's peak usage.
 
 The same code serves both sides (docs/architecture.md: baselines live in the same engine): only the
-EngineConfig fields in SIDE_FIELDS differ, and the KV budget is fixed in tokens so a bigger
-block size gets fewer blocks of the same total bytes.
+EngineConfig fields in SIDE_FIELDS differ, and the KV budget is fixed in tokens at the model
+dtype's size, so a bigger block size gets fewer blocks of the same total bytes and an int8 side
+more tokens in the same bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockSnapshot
 from engine.quality import SCORE_PARAMS, held_out_text, mean_nll, perplexity, windows_of
+from engine.telemetry.cost import kv_bytes_per_element
 from playground.engine_client import EngineClient
 from playground.handlers.compare import SideOutcome, blocks_held
 from playground.handlers.loadtest import DEFAULT_WORKLOAD, BackgroundRun
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 SIDE_FIELDS = (
     "batching",
     "kv_layout",
+    "kv_cache_dtype",
     "enable_prefix_caching",
     "speculative_method",
     "block_size",
@@ -38,6 +41,7 @@ BLOCK_SIZES = (8, 16, 32, 64)
 DEFAULT_SIDE: dict[str, Any] = {
     "batching": "continuous",
     "kv_layout": "paged",
+    "kv_cache_dtype": "auto",
     "enable_prefix_caching": False,
     "speculative_method": "off",
     "block_size": 16,
@@ -45,6 +49,7 @@ DEFAULT_SIDE: dict[str, Any] = {
     "max_num_batched_tokens": 256,
     "quantization": "none",
 }
+KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "static vs continuous batching": (
         {"batching": "static", "max_num_seqs": 4},
@@ -74,8 +79,11 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"quantization": "none", "max_num_seqs": 1},
         {"quantization": "int4", "max_num_seqs": 1},
     ),
+    KV_QUANT_PRESET: ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "int8"}),
 }
 DEFAULT_PRESET = "static vs continuous batching"
+# Bytes per K/V element of the model dtype ("auto" runs bfloat16: model_runner.resolve_dtype).
+MODEL_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
 DEFAULT_KV_BUDGET_TOKENS = 4096
 DEFAULT_MAX_MODEL_LEN = 512
 DEFAULT_REPEATS = 2  # runs per side: the spread of the repeats sets the noise band
@@ -192,6 +200,20 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # the weight-memory and same-tokens rows show the price (measured: see README, Quantization).
     "bf16 vs int8 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     "bf16 vs int4 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    # Long contexts: 8 requests of 224 + 32 tokens need 128 blocks of 16. The 1152-token
+    # budget is 72 blocks in bfloat16 (4 requests at a time: the rest wait or are preempted)
+    # and 139 in int8 (1 byte + a 2-byte scale per 64 values: 1.94x), so all 8 run at once.
+    KV_QUANT_PRESET: PresetDefaults(
+        "Most requests running at once",
+        {
+            "num_prompts": 8,
+            "input_kind": "fixed",
+            "input_mean": 224,
+            "output_kind": "fixed",
+            "output_mean": 32,
+        },
+        kv_budget_tokens=1152,
+    ),
 }
 
 
@@ -222,10 +244,27 @@ def preset_sides(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return {**DEFAULT_SIDE, **a}, {**DEFAULT_SIDE, **b}
 
 
+def kv_budget_blocks(
+    base: EngineConfig, kv_cache_dtype: str, kv_budget_tokens: int, block_size: int, head_dim: int
+) -> int:
+    """Blocks of the KV budget for one side. The budget is in tokens at the model dtype's
+    element size (what both sides get in bytes): a side storing int8 or fp8 K/V fits more
+    tokens in the same bytes (the real element size, scales included: engine.telemetry.cost)."""
+    model_bytes = MODEL_DTYPE_BYTES[base.dtype]
+    kv_bytes = kv_bytes_per_element(kv_cache_dtype, model_bytes, head_dim)
+    return int(kv_budget_tokens * model_bytes / kv_bytes) // block_size
+
+
 def side_config(
-    base: EngineConfig, side: Mapping[str, Any], kv_budget_tokens: Any, max_model_len: Any
+    base: EngineConfig,
+    side: Mapping[str, Any],
+    kv_budget_tokens: Any,
+    max_model_len: Any,
+    *,
+    head_dim: int,
 ) -> EngineConfig:
-    """The main engine's model, device and dtype with this side's scheduling and KV fields."""
+    """The main engine's model, device and dtype with this side's scheduling and KV fields.
+    head_dim: the model's, for the int8 scales' share of the KV budget."""
     values = {}
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         v = side[name]
@@ -235,7 +274,10 @@ def side_config(
     for name, v in (("KV budget", kv_budget_tokens), ("max_model_len", max_model_len)):
         if v is None or v != int(v) or v < 1:
             raise ValueError(f"{name}: must be a positive whole number, got {v!r}")
-    num_blocks = int(kv_budget_tokens) // values["block_size"]
+    kv_cache_dtype = side.get("kv_cache_dtype", "auto")
+    num_blocks = kv_budget_blocks(
+        base, kv_cache_dtype, int(kv_budget_tokens), values["block_size"], head_dim
+    )
     if num_blocks < 1:
         raise ValueError(
             f"KV budget: {kv_budget_tokens} tokens hold no block of {values['block_size']}"
@@ -257,6 +299,7 @@ def side_config(
         kv_layout=side["kv_layout"],
         enable_prefix_caching=prefix_caching,
         speculative_method=side.get("speculative_method", "off"),
+        kv_cache_dtype=kv_cache_dtype,
         num_kv_blocks=num_blocks,
         max_model_len=int(max_model_len),
         **values,

@@ -343,6 +343,19 @@ def table_rows(x: KVInputs) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def kv_element_note(info: EngineInfo) -> str:
+    """What one K/V element costs in the pool when it is not the model dtype's size."""
+    s, kv_dtype = info.shape, info.config.kv_cache_dtype
+    if kv_dtype == "int8":
+        return (
+            f", stored as int8: 1 B per element + a 2 B float16 scale per {s.head_dim} "
+            f"elements (one per token and KV head) = {s.kv_bytes_per_element:g} B"
+        )
+    if kv_dtype == "fp8":
+        return ", stored as fp8 (e4m3): 1 B per element"
+    return ""
+
+
 def engine_pool_markdown(info: EngineInfo, seq_len: int) -> str:
     """The loaded engine's real KV allocation beside the formula for the same token count."""
     s = info.shape
@@ -352,6 +365,9 @@ def engine_pool_markdown(info: EngineInfo, seq_len: int) -> str:
         s.num_layers, s.num_kv_heads, s.head_dim, pool_tokens, 1, s.kv_bytes_per_element
     )
     check = "matches" if formula == info.kv_cache_bytes else "differs from"
+    fixed_bytes = info.kv_cache_bytes - formula  # fp8's per-layer scales: not per token
+    if info.config.kv_cache_dtype == "fp8" and 0 < fixed_bytes < 1 << 20:
+        check = f"(with {fixed_bytes:,} B of per-layer fp8 scales) matches"
     if kv_layout == "contiguous":
         per_request_blocks = -(-info.max_model_len // block_size)
         fits = info.num_kv_blocks // per_request_blocks
@@ -363,7 +379,7 @@ def engine_pool_markdown(info: EngineInfo, seq_len: int) -> str:
         f"**The loaded engine ({info.model_name}, {info.dtype})** allocated "
         f"{info.num_kv_blocks:,} blocks x {block_size} tokens = {pool_tokens:,} tokens "
         f"of KV: **{info.kv_cache_bytes:,} B** ({fmt_gb(info.kv_cache_bytes)}, "
-        f"EngineStats.kv_cache_bytes).\n\n"
+        f"EngineStats.kv_cache_bytes){kv_element_note(info)}.\n\n"
         f"The formula for {pool_tokens:,} tokens: 2 x {s.num_layers} x {s.num_kv_heads} x "
         f"{s.head_dim} x {pool_tokens:,} x 1 x {s.kv_bytes_per_element:g} B = {formula:,} B, "
         f"which {check} the allocation.\n\n"

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 
 from engine.telemetry.stats import EngineStats
 from playground.engine_client import EngineClient
+from playground.engine_info import kv_format
 from playground.figures.blocks import block_map_figure, usage_gauge
 from playground.figures.engine import TIMELINE_WINDOWS_S, batch_timeline_figure, queue_html
 from playground.figures.style import fmt_bytes
@@ -54,11 +55,18 @@ def summary_markdown(stats: EngineStats, num_used_blocks: int) -> str:
     )
     return (
         f"**KV blocks used: {num_used_blocks} / {stats.num_kv_blocks}** ({pct:.1f} %, "
-        f"{stats.block_size} tokens per block, pool {fmt_bytes(stats.kv_cache_bytes)}) · "
+        f"{stats.block_size} tokens per block, pool {fmt_bytes(stats.kv_cache_bytes)}"
+        f"{kv_format_suffix(stats)}) · "
         f"running **{stats.num_running}** · waiting **{stats.num_waiting}** · "
         f"steps {stats.num_steps_total} · preemptions {stats.num_preemptions_total} · "
         f"{prefix_cache_text(stats)}{spec_decode_text(stats)}{step}"
     )
+
+
+def kv_format_suffix(stats: EngineStats) -> str:
+    """' of int8 K/V + ...' after the pool size ("" when the engine did not say)."""
+    text = kv_format(stats.kv_cache_dtype)
+    return f" of {text}" if text else ""
 
 
 def spec_decode_text(stats: EngineStats) -> str:

@@ -67,6 +67,10 @@ def _side_form(name: str, values: dict) -> dict:
     parts["kv_layout"] = gr.Radio(
         ["contiguous", "paged"], value=values["kv_layout"], label="KV layout"
     )
+    parts["kv_cache_dtype"] = gr.Radio(
+        ["auto", "int8", "fp8"], value=values["kv_cache_dtype"],
+        label="KV cache dtype (auto = the model's; int8/fp8 fit ~2x the tokens in the budget)",
+    )  # fmt: skip
     parts["enable_prefix_caching"] = gr.Checkbox(
         value=values["enable_prefix_caching"], label="Prefix caching (paged layout only)"
     )
@@ -98,14 +102,17 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     a, b = form["A"], form["B"]
     gr.Markdown(
         "Runs the same seeded requests on two engines that differ only in the fields below "
-        f"(same model {ctx.info.model_name}, same dtype, same KV budget in tokens), one after "
+        f"(same model {ctx.info.model_name}, same dtype, the same KV budget in bytes), one after "
         "the other, each in its own engine instance that is shut down after. The main engine "
         "keeps serving Chat meanwhile."
     )
     with gr.Row():
         ui.preset = gr.Dropdown(list(PRESETS), value=DEFAULT_PRESET, label="Preset", scale=2)
         ui.kv_budget = gr.Number(
-            form["kv_budget"], label="KV budget (tokens, both sides)", precision=0, scale=1
+            form["kv_budget"],
+            label="KV budget (tokens at the model dtype; the same bytes on both sides)",
+            precision=0,
+            scale=1,
         )
         ui.max_model_len = gr.Number(
             form["max_model_len"], label="max_model_len", precision=0, scale=1
@@ -275,8 +282,9 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             num_repeats = runs_per_side(repeats)
             spec = spec_from_form(workload, int(max_model_len or 0) or None)
             base = ctx.service.config
-            cfg_a = side_config(base, side_a, kv_budget, max_model_len)
-            cfg_b = side_config(base, side_b, kv_budget, max_model_len)
+            head_dim = ctx.info.shape.head_dim
+            cfg_a = side_config(base, side_a, kv_budget, max_model_len, head_dim=head_dim)
+            cfg_b = side_config(base, side_b, kv_budget, max_model_len, head_dim=head_dim)
             requests = build_requests(spec, ctx.service.tokenizer)
         except ValueError as e:
             gr.Warning(str(e))

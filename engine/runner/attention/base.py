@@ -13,11 +13,14 @@ whole or chunked, and decodes verifying drafts), in request order.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+
+from engine.runner.attention.kv_quant import SCALE_DTYPES, LayerKVCache, storage_dtype
 
 
 @dataclass(frozen=True)
@@ -86,24 +89,77 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     # Whether the runner should order decode requests by context length (shortest first).
     sort_decodes_by_length: ClassVar[bool] = False
+    # The EngineConfig.kv_cache_dtype values this backend can store and read.
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     def __init__(
         self, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, kv_cache_dtype: str = "auto",
     ) -> None:  # fmt: skip
+        if kv_cache_dtype not in self.kv_cache_dtypes:
+            raise ValueError(
+                f"kv_cache_dtype: attention backend {self.name!r} supports "
+                f"{', '.join(self.kv_cache_dtypes)}; got {kv_cache_dtype!r}"
+            )
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size  # tokens per KV block
-        self.dtype = dtype
+        self.dtype = dtype  # the model's dtype: queries, outputs, dequantized K/V
         self.device = device
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_storage_dtype = storage_dtype(kv_cache_dtype, dtype)
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's K (and of its V) cache holding `num_blocks` blocks."""
 
+    def kv_scale_shape(self, num_blocks: int) -> tuple[int, ...] | None:
+        """Shape of one layer's K (and V) scales: int8 keeps one per token and KV head, laid
+        out like the cache without head_dim (same slots, so scales move with their blocks);
+        fp8 one per KV head; None when K/V are stored in the model dtype."""
+        if self.kv_cache_dtype == "int8":
+            return self.kv_cache_shape(num_blocks)[:-1]
+        if self.kv_cache_dtype == "fp8":
+            return (self.num_kv_heads,)
+        return None
+
+    def kv_bytes_per_block(self, num_layers: int) -> int:
+        """Bytes one block takes in every layer: K and V, plus int8's per-token scales."""
+        data = math.prod(self.kv_cache_shape(1)) * self.kv_storage_dtype.itemsize
+        scales = 0
+        if self.kv_cache_dtype == "int8":
+            scales = math.prod(self.kv_scale_shape(1) or ()) * SCALE_DTYPES["int8"].itemsize
+        return 2 * num_layers * (data + scales)
+
+    def kv_fixed_bytes(self, num_layers: int) -> int:
+        """Bytes of the pool that do not grow with blocks: fp8's per-layer K/V scales."""
+        if self.kv_cache_dtype != "fp8":
+            return 0
+        return 2 * num_layers * self.num_kv_heads * SCALE_DTYPES["fp8"].itemsize
+
+    def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[LayerKVCache]:
+        """Zeroed K/V (and scale) tensors for every layer: one [layers, 2, ...] tensor each,
+        so the pool's bytes are two allocations whatever the layer count."""
+        data = torch.zeros(
+            num_layers, 2, *self.kv_cache_shape(num_blocks),
+            dtype=self.kv_storage_dtype, device=self.device,
+        )  # fmt: skip
+        scale_shape = self.kv_scale_shape(num_blocks)
+        if scale_shape is None:
+            return [LayerKVCache(data[i, 0], data[i, 1]) for i in range(num_layers)]
+        # fp8's per-head scales are 1.0 (kv_quant.py says why); int8's are written per token.
+        scales = torch.ones(
+            num_layers, 2, *scale_shape,
+            dtype=SCALE_DTYPES[self.kv_cache_dtype], device=self.device,
+        )  # fmt: skip
+        return [
+            LayerKVCache(data[i, 0], data[i, 1], scales[i, 0], scales[i, 1])
+            for i in range(num_layers)
+        ]
+
     @abstractmethod
     def build_metadata(
-        self, inputs: AttentionInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, inputs: AttentionInputs, kv_caches: list[LayerKVCache]
     ) -> AttentionMetadata:
         """Once per step, before the forward pass: everything the layers share."""
 
@@ -113,11 +169,12 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,  # (or a plain (K, V) tuple when kv_cache_dtype is "auto")
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Store this step's K/V in the cache, then attend. Returns [T, Hq, D]."""
+        """Store this step's K/V in the cache (quantized when kv_cache_dtype says so), then
+        attend. Returns [T, Hq, D] in the query's dtype."""
 
     def graph_metadata(self, buffers: DecodeGraphBuffers, batch: int) -> AttentionMetadata:
         """Metadata over the first `batch` rows of the static buffers (CUDA-graph capture)."""

@@ -21,6 +21,7 @@ from engine.runner.attention.base import (
     AttentionMetadata,
     pad_block_tables,
 )
+from engine.runner.attention.kv_quant import LayerKVCache, quantize_fp8, quantize_int8
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     # its own longest context (see split_by_length).
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     # Per prefill request, [Hkv * nb] rows of its cached context; None when the whole context
-    # is new in this step (attention then reads the new K/V directly).
+    # is new in this step and stored unquantized (attention then reads the new K/V directly).
     prefill_gather_index: list[torch.Tensor | None] = field(default_factory=list)
     # Scratch for gathered K and V, reused by every layer of the step. (Fresh multi-MB
     # tensors per layer cost more in page faults than the copy itself on CPU.)
@@ -52,6 +53,7 @@ class TorchAttentionMetadata(AttentionMetadata):
 class TorchBackend(AttentionBackend):
     name = "torch"
     sort_decodes_by_length = True  # split_by_length's groups need sorted context lengths
+    kv_cache_dtypes = ("auto", "int8", "fp8")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -64,7 +66,7 @@ class TorchBackend(AttentionBackend):
         return torch_attention(q, k, v, kv_cache, meta, scale)
 
     def build_metadata(
-        self, inputs: AttentionInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, inputs: AttentionInputs, kv_caches: list[LayerKVCache]
     ) -> TorchAttentionMetadata:
         num_blocks = kv_caches[0][0].shape[1]  # head-major [Hkv, blocks, bs, D]
         meta = TorchAttentionMetadata(
@@ -103,7 +105,11 @@ class TorchBackend(AttentionBackend):
             inputs.prefill_block_tables, inputs.prefill_q_lens, inputs.prefill_ctx_lens,
             strict=True,
         ):  # fmt: skip
-            if ctx_len <= q_len:  # the whole context is new: nothing to gather
+            # The whole context is new: attend over the fresh K/V, nothing to gather. Not for a
+            # quantized cache: every read sees the stored values there (as in the Triton
+            # backend), so a prefix hit, a chunk boundary or a recompute after preemption see
+            # the same K/V as the first pass.
+            if ctx_len <= q_len and self.kv_cache_dtype == "auto":
                 rows.append(None)
                 continue
             block_ids = torch.tensor(
@@ -167,11 +173,9 @@ def gather_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> 
 
 
 def torch_attention(q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-    k_cache, v_cache = kv_cache
-    num_kv_heads, _, _, head_dim = k_cache.shape
-    # [T, Hkv, D] -> [Hkv * T, D] rows, one index_copy per cache.
-    k_cache.view(-1, head_dim).index_copy_(0, meta.store_index, k.transpose(0, 1).flatten(0, 1))
-    v_cache.view(-1, head_dim).index_copy_(0, meta.store_index, v.transpose(0, 1).flatten(0, 1))
+    kv_cache = LayerKVCache(*kv_cache)
+    num_kv_heads, _, _, head_dim = kv_cache.key.shape
+    store_kv(kv_cache, k, v, meta.store_index)
     out = torch.empty_like(q)
     for group in meta.decode_groups:
         n = group.end - group.start
@@ -239,18 +243,62 @@ def decode_attention(
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
+def store_kv(
+    kv_cache: LayerKVCache,
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    store_index: torch.Tensor,  # [Hkv * T] rows of the [Hkv * slots, D] cache view
+) -> None:
+    """Write the step's K/V (quantized for int8/fp8) and int8's per-token scales."""
+    head_dim = kv_cache.key.shape[-1]
+    for new, cache, scales in (
+        (k, kv_cache.key, kv_cache.key_scale), (v, kv_cache.value, kv_cache.value_scale)
+    ):  # fmt: skip
+        if cache.dtype == torch.int8:
+            new, new_scales = quantize_int8(new)  # [T, Hkv, D], [T, Hkv]
+            # Scales are laid out like the cache without head_dim: the same store rows.
+            scales.view(-1).index_copy_(0, store_index, new_scales.transpose(0, 1).flatten())
+        elif cache.dtype == torch.float8_e4m3fn:
+            # index_copy_ has no float8 CPU kernel: move the bytes as uint8.
+            new, cache = quantize_fp8(new, scales).view(torch.uint8), cache.view(torch.uint8)
+        # [T, Hkv, D] -> [Hkv * T, D] rows, one index_copy per cache.
+        cache.view(-1, head_dim).index_copy_(0, store_index, new.transpose(0, 1).flatten(0, 1))
+
+
 def _gather(
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: LayerKVCache,
     rows: torch.Tensor,  # [Hkv * n] rows of the [Hkv * num_blocks, bs * D] view
     workspace: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy whole blocks into the workspace; returns K and V as [Hkv * n, bs * D]."""
-    num_kv_heads, num_blocks, block_size, head_dim = kv_cache[0].shape
+    """Copy whole blocks into the workspace (dequantized to the workspace's dtype for int8 and
+    fp8); returns K and V as [Hkv * n, bs * D]."""
+    num_kv_heads, num_blocks, block_size, head_dim = kv_cache.key.shape
     row_numel = block_size * head_dim
     n = rows.numel()
     outs = []
-    for cache, ws in zip(kv_cache, workspace or (None, None), strict=True):
+    for cache, scales, ws in zip(
+        kv_cache[:2], (kv_cache.key_scale, kv_cache.value_scale), workspace or (None, None),
+        strict=True,
+    ):  # fmt: skip
         dst = None if ws is None else ws[: n * row_numel].view(n, row_numel)
-        src = cache.view(num_kv_heads * num_blocks, row_numel)
-        outs.append(torch.index_select(src, 0, rows, out=dst))
+        if scales is None:
+            src = cache.view(num_kv_heads * num_blocks, row_numel)
+            outs.append(torch.index_select(src, 0, rows, out=dst))
+            continue
+        quantized = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+        src = quantized.view(num_kv_heads * num_blocks, row_numel)
+        blocks = torch.index_select(src, 0, rows).view(cache.dtype)  # [n, bs * D]
+        # Convert into the workspace, then scale in place in its dtype: measured 1.5x faster
+        # on CPU than dequantizing in float32 and copying (mixed-dtype ops are not
+        # vectorized). In a bfloat16 model the scale is rounded to bfloat16 first (relative
+        # error <= 2^-9, bfloat16's own rounding); float32 models dequantize exactly.
+        if dst is None:
+            dst = torch.empty(n, row_numel, dtype=torch.float32, device=rows.device)
+        dst.copy_(blocks)
+        if cache.dtype == torch.int8:  # a scale per (head, block, token): the same rows
+            token_scales = scales.view(num_kv_heads * num_blocks, block_size)[rows]
+            dst.view(n, block_size, head_dim).mul_(token_scales.to(dst.dtype)[:, :, None])
+        else:  # fp8: one scale per KV head; rows are grouped head-major, n / Hkv per head
+            dst.view(num_kv_heads, -1).mul_(scales.to(dst.dtype)[:, None])
+        outs.append(dst)
     return outs[0], outs[1]

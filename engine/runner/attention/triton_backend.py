@@ -21,6 +21,7 @@ from engine.runner.attention.base import (
     DecodeGraphBuffers,
     pad_block_tables,
 )
+from engine.runner.attention.kv_quant import LayerKVCache
 
 
 @dataclass
@@ -39,12 +40,14 @@ class TritonBackend(AttentionBackend):
     # The decode kernel's grid and shapes depend on the batch size and the block-table
     # width only, and padding rows (slot -1, seq_len 0) write nothing: graph-safe.
     supports_cuda_graphs = True
+    # int8 / fp8: the kernels quantize on store and dequantize after load (kernels/README.md).
+    kv_cache_dtypes = ("auto", "int8", "fp8")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def build_metadata(
-        self, inputs: AttentionInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, inputs: AttentionInputs, kv_caches: list[LayerKVCache]
     ) -> TritonAttentionMetadata:
         dev, bs = self.device, self.block_size
         meta = TritonAttentionMetadata(
@@ -76,18 +79,20 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: TritonAttentionMetadata, scale: float):
         import kernels  # imported lazily: the torch backend must not need a working Triton
 
-        k_cache, v_cache = kv_cache
-        kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
+        cache = LayerKVCache(*kv_cache)
+        k_cache, v_cache = cache.key, cache.value
+        scales = {"k_scale": cache.key_scale, "v_scale": cache.value_scale}
+        kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
             kernels.paged_attention_decode(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                out=out[:nd],
+                out=out[:nd], **scales,
             )  # fmt: skip
         if meta.prefill_q_lens:
             kernels.paged_attention_prefill(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
-                meta.prefill_query_start_loc, scale, out=out[nd:],
+                meta.prefill_query_start_loc, scale, out=out[nd:], **scales,
             )  # fmt: skip
         return out

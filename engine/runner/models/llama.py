@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.runner.attention.base import AttentionBackend, AttentionMetadata
+from engine.runner.attention.kv_quant import LayerKVCache
 from engine.runner.models.arch import ModelArch, rope_inv_freq
 
 
@@ -55,7 +56,7 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -133,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normed); logits are computed apart."""
