@@ -24,6 +24,7 @@ SIDE_FIELDS = (
     "batching",
     "kv_layout",
     "enable_prefix_caching",
+    "enable_prompt_sharing",
     "speculative_method",
     "block_size",
     "max_num_seqs",
@@ -35,12 +36,14 @@ DEFAULT_SIDE: dict[str, Any] = {
     "batching": "continuous",
     "kv_layout": "paged",
     "enable_prefix_caching": False,
+    "enable_prompt_sharing": True,
     "speculative_method": "off",
     "block_size": 16,
     "max_num_seqs": 8,
     "max_num_batched_tokens": 256,
     "quantization": "none",
 }
+N_SHARING_PRESET = "n=4 with vs without prompt sharing"
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "static vs continuous batching": (
         {"batching": "static", "max_num_seqs": 4},
@@ -69,6 +72,11 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "bf16 vs int4 weights": (
         {"quantization": "none", "max_num_seqs": 1},
         {"quantization": "int4", "max_num_seqs": 1},
+    ),
+    # 16 slots: the 4 prompts' 4 samples all run at once on both sides.
+    N_SHARING_PRESET: (
+        {"enable_prompt_sharing": True, "max_num_seqs": 16},
+        {"enable_prompt_sharing": False, "max_num_seqs": 16},
     ),
 }
 DEFAULT_PRESET = "static vs continuous batching"
@@ -188,6 +196,22 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # the weight-memory and same-tokens rows show the price (measured: see README, Quantization).
     "bf16 vs int8 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     "bf16 vs int4 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    # 4 prompts x 4 samples. With sharing each prompt's 127 tokens before the fork point sit
+    # once in 8 blocks (7 full ones stay shared, the partial one is copied for 3 samples);
+    # without, every sample holds its own 9 blocks and computes all 128 prompt tokens.
+    # Greedy (the form has no temperature): the 4 samples are alike, which leaves the blocks
+    # and prompt tokens as they are and lets "same tokens as A" check the two modes agree.
+    N_SHARING_PRESET: PresetDefaults(
+        "Peak KV blocks held",
+        {
+            "num_prompts": 4,
+            "n": 4,
+            "input_kind": "fixed",
+            "input_mean": 128,
+            "output_kind": "fixed",
+            "output_mean": 16,
+        },
+    ),
 }
 
 
@@ -252,6 +276,7 @@ def side_config(
         batching=side["batching"],
         kv_layout=side["kv_layout"],
         enable_prefix_caching=prefix_caching,
+        enable_prompt_sharing=bool(side.get("enable_prompt_sharing", True)),
         speculative_method=side.get("speculative_method", "off"),
         num_kv_blocks=num_blocks,
         max_model_len=int(max_model_len),
