@@ -94,7 +94,8 @@ def workload_form(defaults: Mapping[str, Any], fields: Sequence[str]) -> dict[st
     if any(f in fields for f in row_fields):
         with gr.Row():
             _number(parts, d, fields, "prefix_len", "Shared prefix (tokens)", 0, width=130)
-            # n > 1 shares each prompt's KV blocks between its samples (parallel sampling).
+            # n > 1: parallel sampling; the engine's samples share the prompt's KV blocks
+            # unless its enable_prompt_sharing is off (Compare's side forms).
             _number(parts, d, fields, "n", "n (samples per prompt)", 0, width=110)
             _number(parts, d, fields, "temperature", "Temperature")
             _number(parts, d, fields, "top_p", "Top-p", width=70)
