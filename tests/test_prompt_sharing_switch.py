@@ -17,7 +17,7 @@ PROMPT_IDS = list(range(100, 130))
 PARAMS = SamplingParams(n=3, max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
 
 
-def _llm(sharing: bool) -> LLM:
+def _llm(sharing: bool, **kwargs: object) -> LLM:
     return LLM(
         "random:tiny",
         dtype="float32",
@@ -25,6 +25,7 @@ def _llm(sharing: bool) -> LLM:
         num_kv_blocks=64,
         max_model_len=64,
         enable_prompt_sharing=sharing,
+        **kwargs,
     )
 
 
@@ -67,6 +68,21 @@ def test_same_tokens_with_and_without_sharing_but_more_blocks_and_prefill(engine
         stats = llm.stats()
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
         llm.engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"enable_prefix_caching": True}, {"speculative_method": "ngram"}, {"batching": "static"}],
+)
+def test_without_sharing_with_other_engine_features(engines, kwargs):
+    """The separate sequences go through prefix caching (a later one may hit an earlier
+    one's full blocks), drafting and static batches like any request: same tokens."""
+    expected = [o.token_ids for o in engines[True].generate([PROMPT_IDS], PARAMS)]
+    llm = _llm(False, **kwargs)
+    assert [o.token_ids for o in llm.generate([PROMPT_IDS], PARAMS)] == expected
+    stats = llm.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    llm.engine.block_manager.check_invariants()
 
 
 @pytest.mark.parametrize("sharing", [True, False])
