@@ -36,6 +36,8 @@ FLAG_HELP: dict[str, str] = {
     "head) or fp8 (e4m3, per-layer scales) hold ~2x the tokens of a 16-bit pool",
     "enable_prefix_caching": "share the KV blocks of prompt prefixes seen before (a chat's "
     "earlier turns)",
+    "enable_prompt_sharing": "n > 1: the n samples of a prompt share its KV blocks (copy-on-"
+    "write); --no-enable-prompt-sharing computes the prompt once per sample (the baseline)",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
     "max_model_len": "context cap in tokens (default: the model's context length, at most "

@@ -55,6 +55,10 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDType = "auto"  # storage of K/V in the cache (see KVCacheDType)
     # Share the KV blocks of prompt prefixes computed before (needs the paged layout).
     enable_prefix_caching: bool = False
+    # n > 1: the n sequences of a request share the prompt's blocks (fork + copy-on-write).
+    # False is the "before" for comparisons: each sequence computes the whole prompt into its
+    # own blocks, as n separate requests would (same seeds, same tokens).
+    enable_prompt_sharing: bool = True
 
     # --- scheduling ---
     max_num_seqs: int = 64  # most requests in one step
@@ -128,7 +132,12 @@ class EngineConfig:
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed: must be in [0, 2**64 - 1], got {self.seed}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_prompt_sharing",
+            "enable_chunked_prefill",
+            "enforce_eager",
+        ):
             if not isinstance(getattr(self, name), bool):  # "no" would read as True
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if (

@@ -1,7 +1,8 @@
 """Compare, Load test and KV calculator in a real browser (Debian's Chromium through
 Playwright, as tests/test_browser.py, whose app and page fixtures this reuses): switching
-presets resets the form (the KV preset sets side B to int8); Stop in the Load test reports the aborted requests; the KV memory
-fraction typed + Enter never raises. Needs /usr/bin/chromium; never downloads a browser."""
+presets resets the form (the KV preset sets side B to int8; n and prompt sharing included);
+Stop in the Load test reports the aborted requests; the KV memory fraction typed + Enter never
+raises. Needs /usr/bin/chromium; never downloads a browser."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ app_url, page = tb.app_url, tb.page  # the app with the embedded model, one Chro
 
 PREFIX = "prefix caching off vs on (shared prompt prefix)"
 STATIC = "static vs continuous batching"
+SHARING = "n=4 with vs without prompt sharing"
 
 
 def _number(page, tab_id: str, label: str, nth: int = 0):
@@ -53,6 +55,17 @@ def test_switching_presets_sets_every_field_and_resets_the_others(page):
     expect(side_a).to_be_checked()
     expect(_number(page, "tab-compare", "max_num_seqs", 0)).to_have_value("4")
     expect(_number(page, "tab-compare", "max_num_seqs", 1)).to_have_value("4")
+    # The parallel-sampling preset sets n and unticks B's prompt sharing; the next resets n.
+    _pick(page, "tab-compare", "Preset", SHARING)
+    samples = _number(page, "tab-compare", "n (samples per prompt)")
+    expect(samples).to_have_value("4")
+    sharing = page.locator("#tab-compare").get_by_label("Prompt sharing")
+    expect(sharing.nth(0)).to_be_checked()
+    expect(sharing.nth(1)).not_to_be_checked()
+    expect(page.locator("#compare-headline")).to_contain_text("Peak KV blocks held")
+    _pick(page, "tab-compare", "Preset", STATIC)
+    expect(samples).to_have_value("1")
+    expect(sharing.nth(1)).to_be_checked()
     # Fields the distribution does not use are hidden (uniform lengths: no "mean").
     expect(_number(page, "tab-compare", "tokens (fixed) / mean")).to_be_hidden()
 

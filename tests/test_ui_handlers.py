@@ -562,7 +562,7 @@ def test_api_bad_values_give_messages_not_tracebacks(client):
     args = dict(num_prompts=0, max_concurrency=0, seed=0, arrival="all at once",
                 request_rate=1, burstiness=1, input_kind="fixed", input_mean=8, input_low=1,
                 input_high=8, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
-                output_high=4, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1, ignore_eos=True)  # fmt: skip
+                output_high=4, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1, ignore_eos=True, n=1)  # fmt: skip
     out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
     assert "Not started" in out[1] and "number of requests" in out[1]
 
@@ -571,7 +571,7 @@ def test_api_load_test_live_and_kv_tabs(client):
     args = dict(num_prompts=4, max_concurrency=2, seed=0, arrival="Poisson",
                 request_rate=20, burstiness=1, input_kind="uniform", input_mean=8, input_low=8,
                 input_high=24, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
-                output_high=4, output_std=1, prefix_len=8, temperature=0, top_p=1, top_k=-1, ignore_eos=True)  # fmt: skip
+                output_high=4, output_std=1, prefix_len=8, temperature=0, top_p=1, top_k=-1, ignore_eos=True, n=1)  # fmt: skip
     out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
     progress, status, _, _, _, table, download = out
     rows = {r[0]: r[1] for r in table["data"]}
@@ -677,7 +677,7 @@ def test_api_chat_and_live_refresh_answer_during_a_load_test(client, service):
     args = dict(num_prompts=6, max_concurrency=0, seed=1, arrival="all at once",
                 request_rate=1, burstiness=1, input_kind="fixed", input_mean=32, input_low=1,
                 input_high=32, input_std=1, output_kind="fixed", output_mean=64, output_low=1,
-                output_high=64, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1, ignore_eos=True)  # fmt: skip
+                output_high=64, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1, ignore_eos=True, n=1)  # fmt: skip
     job = client.submit(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
     deadline = time.monotonic() + 30
     while service.stats().num_running < 6 and time.monotonic() < deadline:

@@ -175,7 +175,7 @@ def test_app_load_test_against_the_server(app, service):
     args = dict(num_prompts=8, max_concurrency=0, seed=0, arrival="all at once",
                 request_rate=1, burstiness=1, input_kind="fixed", input_mean=16, input_low=1,
                 input_high=16, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
-                output_high=4, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1, ignore_eos=True)  # fmt: skip
+                output_high=4, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1, ignore_eos=True, n=1)  # fmt: skip
     progress, status, rate, queues, gantt, table, download = client.predict(
         *(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test"
     )
@@ -216,7 +216,7 @@ def test_app_compare_two_servers(app, server):
     work = dict(num_prompts=3, seed=0, arrival="all at once", request_rate=1,
                 input_kind="fixed", input_mean=16, input_low=1, input_high=16, input_std=1,
                 output_kind="fixed", output_mean=3, output_low=1, output_high=3, output_std=1,
-                prefix_len=8)  # fmt: skip
+                prefix_len=8, n=1)  # fmt: skip
     values = [work[k] for k in COMPARE_FIELDS]
     _, status, *_ = client.predict("", "", "", 1, *values, api_name="/compare")
     assert "Not started" in status and "B base URL" in status

@@ -77,6 +77,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             batching=config.batching,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prompt_sharing=config.enable_prompt_sharing,
         )
         self.eos_token_ids = self._eos_token_ids()
         itemsize = self.runner.dtype.itemsize

@@ -15,7 +15,9 @@ about to be written while others share it is copied first (copy-on-write;
 `SchedulerOutput.block_copies`).
 A group is preempted as a unit, by recompute: every running sequence of it frees its blocks
 and re-enters the waiting queue; readmitted, each recomputes its own prompt + output (sharing
-again only what the prefix cache holds).
+again only what the prefix cache holds). With `enable_prompt_sharing=False` (the baseline)
+the n sequences enter the queue as n separate requests: each computes the whole prompt into
+its own blocks; no fork, no copy-on-write.
 
 `batching="static"` is the pre-Orca baseline: a batch is admitted only when the previous one
 has completely finished, so no request joins a running batch and early finishers leave holes.
@@ -97,18 +99,27 @@ class Scheduler:
         max_num_batched_tokens: int,
         batching: str = "continuous",
         enable_chunked_prefill: bool = True,
+        enable_prompt_sharing: bool = True,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.static = batching == "static"
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_prompt_sharing = enable_prompt_sharing
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
 
     # --- queue management ---
     def add_request(self, request: Request) -> None:
+        """Queue a request; with n > 1 its samples ride along until they fork off it, or,
+        without prompt sharing, queue right behind it as requests of their own (each one
+        computes the whole prompt; they still answer to the group's id and seeds)."""
+        if not self.enable_prompt_sharing:
+            samples, request.pending_samples = request.pending_samples, []
+            self.waiting.extend([request, *samples])
+            return
         self.waiting.append(request)
 
     def has_work(self) -> bool:

@@ -243,8 +243,11 @@ def outcome_metrics(outcome: SideOutcome) -> dict[str, Any]:
     m: dict[str, Any] = _median_summary([r.summary() for r in runs])
     steps = [s for s in outcome.steps if s.batch_size]
     if outcome.peak is not None:
-        m["peak_blocks"] = blocks_held(outcome.peak)
-        m["peak_kv_tokens"] = blocks_held(outcome.peak) * outcome.peak.block_size
+        # The polled block map can miss a peak shorter than its interval (a tiny model's
+        # steps); every step records the blocks held after it, so take the larger.
+        peak = max([blocks_held(outcome.peak), *(s.num_blocks_used for s in steps)])
+        m["peak_blocks"] = peak
+        m["peak_kv_tokens"] = peak * outcome.peak.block_size
         m["pool_blocks"] = outcome.peak.num_blocks
     m["num_steps"] = len(steps)
     m["mean_batch"] = statistics.fmean(s.batch_size for s in steps) if steps else None

@@ -31,6 +31,7 @@ SIDE_FIELDS = (
     "kv_layout",
     "kv_cache_dtype",
     "enable_prefix_caching",
+    "enable_prompt_sharing",
     "speculative_method",
     "block_size",
     "max_num_seqs",
@@ -43,6 +44,7 @@ DEFAULT_SIDE: dict[str, Any] = {
     "kv_layout": "paged",
     "kv_cache_dtype": "auto",
     "enable_prefix_caching": False,
+    "enable_prompt_sharing": True,
     "speculative_method": "off",
     "block_size": 16,
     "max_num_seqs": 8,
@@ -50,6 +52,7 @@ DEFAULT_SIDE: dict[str, Any] = {
     "quantization": "none",
 }
 KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
+N_SHARING_PRESET = "n=4 with vs without prompt sharing"
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "static vs continuous batching": (
         {"batching": "static", "max_num_seqs": 4},
@@ -80,6 +83,11 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"quantization": "int4", "max_num_seqs": 1},
     ),
     KV_QUANT_PRESET: ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "int8"}),
+    # 16 slots: the 4 prompts' 4 samples all run at once on both sides.
+    N_SHARING_PRESET: (
+        {"enable_prompt_sharing": True, "max_num_seqs": 16},
+        {"enable_prompt_sharing": False, "max_num_seqs": 16},
+    ),
 }
 DEFAULT_PRESET = "static vs continuous batching"
 # Bytes per K/V element of the model dtype ("auto" runs bfloat16: model_runner.resolve_dtype).
@@ -214,6 +222,22 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
         },
         kv_budget_tokens=1152,
     ),
+    # 4 prompts x 4 samples. With sharing each prompt's 127 tokens before the fork point sit
+    # once in 8 blocks (7 full ones stay shared, the partial one is copied for 3 samples);
+    # without, every sample holds its own 9 blocks and computes all 128 prompt tokens.
+    # Greedy (the form has no temperature): the 4 samples are alike, which leaves the blocks
+    # and prompt tokens as they are and lets "same tokens as A" check the two modes agree.
+    N_SHARING_PRESET: PresetDefaults(
+        "Peak KV blocks held",
+        {
+            "num_prompts": 4,
+            "n": 4,
+            "input_kind": "fixed",
+            "input_mean": 128,
+            "output_kind": "fixed",
+            "output_mean": 16,
+        },
+    ),
 }
 
 
@@ -298,6 +322,7 @@ def side_config(
         batching=side["batching"],
         kv_layout=side["kv_layout"],
         enable_prefix_caching=prefix_caching,
+        enable_prompt_sharing=bool(side.get("enable_prompt_sharing", True)),
         speculative_method=side.get("speculative_method", "off"),
         kv_cache_dtype=kv_cache_dtype,
         num_kv_blocks=num_blocks,

@@ -49,6 +49,7 @@ WORKLOAD_FIELDS = (
     "top_p",
     "top_k",
     "ignore_eos",
+    "n",
     "seed",
 )
 
@@ -73,6 +74,7 @@ DEFAULT_WORKLOAD: dict[str, Any] = {
     "top_p": 1.0,
     "top_k": -1,
     "ignore_eos": True,
+    "n": 1,  # samples per prompt (the API's n)
     "seed": 0,
 }
 
@@ -161,6 +163,7 @@ def spec_from_form(values: Mapping[str, Any], max_model_len: int | None = None) 
         top_p=float(top_p),
         top_k=int(top_k),
         ignore_eos=bool(form["ignore_eos"]),
+        n=_whole("n (samples per prompt)", form["n"]),
     )
 
 

@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1, help="-1 = off (an API extension)")
     p.add_argument("--min-p", type=float, default=0.0, help="0 = off (an API extension)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (the API's n)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument(
@@ -248,6 +249,7 @@ def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         top_k=args.top_k,
         min_p=args.min_p,
         ignore_eos=args.ignore_eos,
+        n=args.n,
         num_warmups=args.num_warmups,
     )
 

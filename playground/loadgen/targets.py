@@ -15,6 +15,7 @@ from playground.loadgen.workload import GenRequest, Tokenizer, WorkloadSpec
 from playground.remote.client import CACHE_NOTES, OpenAIClient, RemoteServer, StreamReply
 
 if TYPE_CHECKING:
+    from engine.request import RequestOutput
     from playground.engine_client import EngineClient
     from playground.remote.tokenizer import PromptTokenizer
 
@@ -55,47 +56,57 @@ class EngineTarget:
                 top_k=spec.top_k,
                 min_p=spec.min_p,
                 ignore_eos=spec.ignore_eos,
+                n=spec.n,
             )
             stream = self.service.submit(request.prompt, params)
         except (ValueError, RuntimeError) as e:  # bad input, or the engine shutting down
             result.error = f"rejected: {e}"
             result.end_time = time.perf_counter()
             return result
-        last = None
+        finals: dict[int, RequestOutput] = {}  # each sample's latest delta, by its index
         finished = False
         try:
             async for out in stream:
                 now = time.perf_counter()
+                # n > 1: the samples' deltas interleave; each one's tokens count (TTFT is
+                # the first of any sample).
                 if out.new_token_ids or out.new_text:
                     if result.first_token_time is None:
                         result.first_token_time = now
                     result.token_times.append(now)
-                last = out
-                finished = out.finished
+                finals[out.index] = out
+                finished = out.request_finished
         except Exception as e:  # the stream broke: a failure of this request, not of the test
             result.error = f"{type(e).__name__}: {e}"
         finally:
             result.end_time = time.perf_counter()
             if not finished:  # cancelled (the test was stopped) or failed: free its blocks
                 self.service.abort(stream.request_id)
-        if result.error is not None:
-            return result
-        if last is not None:
-            result.prompt_tokens = len(last.prompt_token_ids)
-            result.output_tokens = len(last.token_ids)
-            result.output_token_ids = list(last.token_ids)
-            result.finish_reason = last.finish_reason
-            result.queue_s = last.metrics.queue_s if last.metrics is not None else None
-            if last.error:
-                result.error = f"engine: {last.error}"
-            elif last.finish_reason == "abort":
-                result.error = "aborted"
-        else:
-            result.error = "stream ended without output"
+        if result.error is None:
+            _take_outputs(result, [finals[i] for i in sorted(finals)])
         return result
 
     async def aclose(self) -> None:
         pass
+
+
+def _take_outputs(result: RequestResult, outputs: list[RequestOutput]) -> None:
+    """Fill `result` from each sample's last output (index order): every sample's tokens
+    (ids concatenated in index order), the last sample's finish reason, the first error."""
+    if not outputs:
+        result.error = "stream ended without output"
+        return
+    first = outputs[0]
+    result.prompt_tokens = len(first.prompt_token_ids)
+    result.output_tokens = sum(len(o.token_ids) for o in outputs)
+    result.output_token_ids = [t for o in outputs for t in o.token_ids]
+    result.finish_reason = outputs[-1].finish_reason
+    result.queue_s = first.metrics.queue_s if first.metrics is not None else None
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        result.error = f"engine: {errors[0]}"
+    elif any(o.finish_reason == "abort" for o in outputs):
+        result.error = "aborted"
 
 
 class OpenAITarget:
@@ -194,6 +205,8 @@ class OpenAITarget:
             body["min_p"] = spec.min_p
         if spec.ignore_eos:
             body["ignore_eos"] = True
+        if spec.n > 1:  # sent only when used: n = 1 is every server's default
+            body["n"] = spec.n
         if self.server_kind == "llama.cpp" and not self.prompt_cache:
             body["cache_prompt"] = False  # llama.cpp's own field; others may reject unknowns
         return body

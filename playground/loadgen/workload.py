@@ -114,6 +114,9 @@ class WorkloadSpec:
     top_k: int = -1  # -1 = off (an extension over HTTP: vLLM, SGLang, ours)
     min_p: float = 0.0  # 0 = off (an extension over HTTP)
     ignore_eos: bool = True  # exact output lengths (servers that lack it may ignore it)
+    # Samples per prompt (SamplingParams.n, the completions API's `n`). A request's output
+    # tokens count every sample's, as OpenAI's usage does, so TPOT is per token of all n.
+    n: int = 1
     num_warmups: int = 0  # requests sent (and discarded) before the measured run
 
     def __post_init__(self) -> None:
@@ -139,6 +142,8 @@ class WorkloadSpec:
             raise ValueError(f"top_k: must be -1 (off) or a positive integer, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n: must be a positive integer, got {self.n!r}")
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups: must be >= 0, got {self.num_warmups}")
 

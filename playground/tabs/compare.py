@@ -55,6 +55,7 @@ WORKLOAD_FIELDS = (
     "request_rate",
     *LENGTH_FIELDS,
     "prefix_len",
+    "n",
 )
 
 
@@ -73,6 +74,10 @@ def _side_form(name: str, values: dict) -> dict:
     )  # fmt: skip
     parts["enable_prefix_caching"] = gr.Checkbox(
         value=values["enable_prefix_caching"], label="Prefix caching (paged layout only)"
+    )
+    parts["enable_prompt_sharing"] = gr.Checkbox(
+        value=values["enable_prompt_sharing"],
+        label="Prompt sharing (n > 1: the samples share the prompt's blocks)",
     )
     parts["speculative_method"] = gr.Radio(
         ["off", "ngram"], value=values["speculative_method"], label="Speculative decoding"

@@ -90,10 +90,13 @@ def workload_form(defaults: Mapping[str, Any], fields: Sequence[str]) -> dict[st
     _arrival_visibility(parts)
     _length_fields("input", d, parts)
     _length_fields("output", d, parts)
-    row_fields = ("prefix_len", "temperature", "top_p", "top_k", "ignore_eos")
+    row_fields = ("prefix_len", "n", "temperature", "top_p", "top_k", "ignore_eos")
     if any(f in fields for f in row_fields):
         with gr.Row():
             _number(parts, d, fields, "prefix_len", "Shared prefix (tokens)", 0, width=130)
+            # n > 1: parallel sampling; the engine's samples share the prompt's KV blocks
+            # unless its enable_prompt_sharing is off (Compare's side forms).
+            _number(parts, d, fields, "n", "n (samples per prompt)", 0, width=110)
             _number(parts, d, fields, "temperature", "Temperature")
             _number(parts, d, fields, "top_p", "Top-p", width=70)
             _number(parts, d, fields, "top_k", "Top-k (-1 = off)", 0, width=70)
