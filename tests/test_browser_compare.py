@@ -73,12 +73,14 @@ def test_switching_presets_sets_every_field_and_resets_the_others(page):
 def test_kv_preset_sets_int8_on_side_b_and_the_budget(page):
     """The KV-cache dtype toggle is in both side forms; the preset sets A auto, B int8."""
     open_tab(page, "Compare")
-    int8 = page.locator("#tab-compare").get_by_label("int8", exact=True)
-    expect(int8.nth(0)).not_to_be_checked()  # the default preset: both sides "auto"
-    expect(int8.nth(1)).not_to_be_checked()
+    # The KV dtype radios (the weights radio of each side has an "int8" too).
+    a_int8, b_int8 = (page.locator(f"#compare-{s}-kv-dtype").get_by_label("int8", exact=True)
+                      for s in ("a", "b"))  # fmt: skip
+    expect(a_int8).not_to_be_checked()  # the default preset: both sides "auto"
+    expect(b_int8).not_to_be_checked()
     _pick(page, "tab-compare", "Preset", "KV 16-bit vs int8 at the same memory budget")
-    expect(int8.nth(0)).not_to_be_checked()
-    expect(int8.nth(1)).to_be_checked()
+    expect(a_int8).not_to_be_checked()
+    expect(b_int8).to_be_checked()
     expect(page.locator("#compare-headline")).to_contain_text("Most requests running at once")
     budget = "KV budget (tokens at the model dtype; the same bytes on both sides)"
     expect(_number(page, "tab-compare", budget)).to_have_value("1152")

@@ -62,3 +62,40 @@ def test_form_refuses_bad_n(n):
     with pytest.raises(ValueError, match=r"^n:"):
         sampling_params(0.7, 1.0, -1, 8, -1, n)
     assert sampling_params(0.7, 1.0, -1, 8, -1, 2).n == 2
+
+
+def test_the_reply_finishes_whichever_sequence_ends_last():
+    """request_finished comes on the last delta of the request, which may be sequence 0's
+    while sequence 1 ended earlier: the reply still gets its final stats line."""
+    from engine.request import RequestMetrics, RequestOutput
+
+    def delta(index: int, text: str, finished: bool, last: bool) -> RequestOutput:
+        return RequestOutput("r", None, [1], [5], text, [5], text, finished,
+                             "length" if finished else None, RequestMetrics(arrival_time=0.0),
+                             index=index, request_finished=last)  # fmt: skip
+
+    class Stream:
+        request_id = "r"
+
+        async def __aiter__(self):
+            for out in (delta(0, "a", False, False), delta(1, "b", True, False),
+                        delta(0, "ab", True, True)):  # fmt: skip
+                yield out
+
+    class Service:
+        def apply_chat_template(self, messages):
+            return [1]
+
+        def submit(self, prompt, params):
+            return Stream()
+
+        def abort(self, request_id):
+            raise AssertionError("a finished request is not aborted")
+
+    async def run():
+        chat = EngineChat(Service())
+        params = SamplingParams(max_tokens=2, n=2)
+        return [r async for r in chat.replies([{"role": "user", "content": "x"}], params, "s")]
+
+    last = asyncio.run(run())[-1]
+    assert last.finished and last.text == "ab" and last.alternatives == ("b",)

@@ -21,6 +21,7 @@ from playground.handlers.loadtest import spec_from_form
 from playground.loadgen import build_requests
 
 BASE = EngineConfig(model="random:tiny", dtype="float32")
+HEAD_DIM = resolve_model(BASE.model).arch.head_dim  # the int8 scales' share of the budget
 
 
 def test_the_preset_holds_fewer_peak_blocks_with_prompt_sharing():
@@ -32,7 +33,7 @@ def test_the_preset_holds_fewer_peak_blocks_with_prompt_sharing():
     spec = spec_from_form(workload, form["max_model_len"])
     sides = [
         (name, side_label(name, side, other),
-         side_config(BASE, side, form["kv_budget"], form["max_model_len"]))
+         side_config(BASE, side, form["kv_budget"], form["max_model_len"], head_dim=HEAD_DIM))
         for name, side, other in (("A", a_side, b_side), ("B", b_side, a_side))
     ]  # fmt: skip
     assert sides[1][1] == "B: enable_prompt_sharing=False"

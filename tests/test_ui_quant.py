@@ -74,8 +74,8 @@ def test_quantization_presets_and_side_configs():
         assert (a["quantization"], b["quantization"]) == ("none", fmt)
         assert form["workload"]["temperature"] == 0.0  # greedy: the agreement row applies
         base = EngineConfig(model="random:tiny")
-        assert side_config(base, b, 1024, 256).quantization == fmt
-        assert side_config(base, a, 1024, 256).quantization == "none"
+        assert side_config(base, b, 1024, 256, head_dim=64).quantization == fmt
+        assert side_config(base, a, 1024, 256, head_dim=64).quantization == "none"
         assert side_label("B", b, a) == f"B: quantization={fmt}"
     other = preset_form("max_num_seqs 2 vs 8")
     assert other["A"]["quantization"] == other["B"]["quantization"] == "none"
@@ -84,11 +84,12 @@ def test_quantization_presets_and_side_configs():
 def test_info_fields_are_what_engine_info_reads():
     from playground.engine_info import engine_info
 
-    stats = SimpleNamespace(num_kv_blocks=64, kv_cache_bytes=1 << 20)
+    stats = SimpleNamespace(num_kv_blocks=64, kv_cache_bytes=1 << 20, kv_cache_dtype="bfloat16")
     service = SimpleNamespace(model_name="m", config=INT4, model_shape=SHAPE, device="cpu",
                               dtype="bfloat16", max_model_len=1024, weight_bytes=123,
                               stats=lambda: stats)  # fmt: skip
-    assert engine_info(service).weight_bytes == 123
+    info = engine_info(service)
+    assert (info.weight_bytes, info.kv_cache_dtype) == (123, "bfloat16")
 
 
 def test_compare_sides_score_held_out_perplexity_through_the_engine():

@@ -83,7 +83,8 @@ class EngineChat:
         come as alternatives, shown beside it."""
         prompt = prompt_for(self.service, messages)
         async for outs in stream_replies(self.service, prompt, params, self.active, session):
-            out, finished = outs[0], outs[-1].request_finished
+            # request_finished marks the request's last delta, whichever sequence ended last.
+            out, finished = outs[0], any(o.request_finished for o in outs)
             n = sum(len(o.token_ids) for o in outs)
             yield ChatReply(
                 out.request_id,

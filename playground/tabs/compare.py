@@ -71,6 +71,7 @@ def _side_form(name: str, values: dict) -> dict:
     parts["kv_cache_dtype"] = gr.Radio(
         ["auto", "int8", "fp8"], value=values["kv_cache_dtype"],
         label="KV cache dtype (auto = the model's; int8/fp8 fit ~2x the tokens in the budget)",
+        elem_id=f"compare-{name.lower()}-kv-dtype",
     )  # fmt: skip
     parts["enable_prefix_caching"] = gr.Checkbox(
         value=values["enable_prefix_caching"], label="Prefix caching (paged layout only)"
@@ -97,6 +98,7 @@ def _side_form(name: str, values: dict) -> dict:
         value=values["quantization"],
         label="Weights: int8 / int4 weight-only in every linear and the LM head (the "
         "embedding and norms stay 16-bit)",
+        elem_id=f"compare-{name.lower()}-weights",
     )
     return {f: parts[f] for f in SIDE_FIELDS}
 
