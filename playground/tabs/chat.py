@@ -4,6 +4,7 @@ mode, the one OpenAI-compatible server)."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import gradio as gr
@@ -87,6 +88,10 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     ui.turns = gr.State([])
     ui.api_trigger = gr.Button(visible=False)  # carries the /chat API (create_event_handlers)
     return ui
+
+
+# Seconds Clear waits after stopping a streaming reply before it answers (clear() says why).
+CLEAR_SETTLE_S = 0.5
 
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
@@ -195,13 +200,17 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
     def stop(request: gr.Request) -> str:
         return backend.stop(request.session_hash or "anonymous")
 
-    def clear(request: gr.Request):
+    async def clear(request: gr.Request):
         """A new conversation: the kept turns go, and a streaming reply stops."""
         session = request.session_hash or "anonymous"
         streaming = sessions.streaming(session)
         sessions.reset(session)
         if streaming:
-            backend.stop(session)
+            await asyncio.to_thread(backend.stop, session)
+            # An update the reply yielded just before the reset travels on its own event
+            # stream and could reach the browser after this one, redrawing the old
+            # conversation (seen under load in test_browser_chat). Answer after it has landed.
+            await asyncio.sleep(CLEAR_SETTLE_S)
         status = "Cleared; the streaming reply was stopped." if streaming else ""
         return [], [], status, gr.Button(SEND_LABEL, interactive=True)
 
