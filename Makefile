@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-prefix bench-spec bench-quant bench-parallel bench-kvq soak gpu-check clean
+.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui soak gpu-check clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -84,6 +84,10 @@ bench-parallel: setup
 
 bench-kvq: setup
 	$(BIN)/python -m benchmarks.kv_quant $(ARGS)
+
+# The Engine (live) tab's main-thread long tasks in Chromium under load (50k-block pool).
+bench-ui: setup-dev browser
+	$(BIN)/python -m benchmarks.ui_live $(ARGS)
 
 # Not part of `make test`: 5,000 mixed requests with aborts and hang-ups (minutes on a CPU).
 # A short one: make soak ARGS='--num-requests 300 --model random:tiny'
