@@ -28,7 +28,11 @@ from engine.cli import config_from_args
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
-from engine.telemetry.stats import latency_summary
+from engine.telemetry.ceilings import get_ceilings, roofline_bound_s
+from engine.telemetry.stats import StepStats, latency_summary
+
+# Steps the benchmark's engine keeps (StepStats are small): the whole run, for its bound.
+STEPS_KEPT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,14 @@ def _round(x: float | None) -> float | None:
 
 def run_ours(config: EngineConfig, workload: Workload) -> tuple[dict, Path | None, str]:
     """One run of our engine; also returns the weights folder and the resolved dtype (for HF)."""
+    # Every step of the run is kept (the ring buffer's default 2,048 can be too few) for the
+    # roofline bound below.
+    config = config.replace(step_history_len=max(config.step_history_len, STEPS_KEPT))
     llm = LLM(**dataclasses.asdict(config))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in workload.output_lens]  # fmt: skip
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    first_step = llm.engine.num_steps
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params)
     duration = time.perf_counter() - start
@@ -88,11 +96,37 @@ def run_ours(config: EngineConfig, workload: Workload) -> tuple[dict, Path | Non
         {**config_report(config), "num_kv_blocks": llm.stats().num_kv_blocks},
     )  # fmt: skip
     result["num_preemptions"] = llm.stats().num_preemptions_total
+    steps = [s for s in llm.stats().steps if s.step_index >= first_step]
     weights_dir = llm.engine.source.weights_dir
     dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+    if len(steps) == llm.engine.num_steps - first_step:
+        result["roofline"] = roofline_report(steps, str(llm.engine.runner.device), dtype, duration)
     del llm
     gc.collect()
     return result, weights_dir, dtype
+
+
+def roofline_report(steps: list[StepStats], device: str, dtype: str, duration_s: float) -> dict:
+    """The run's roofline bound on this machine: every step at its roof from the measured
+    ceilings (FLOPs at peak, bytes at bandwidth; engine/telemetry/ceilings.py), summed; and the
+    fraction of that bound the run achieved (bound / measured wall time), which unlike a tok/s
+    figure does not depend on which CPU ran it."""
+    ceilings = get_ceilings(device)
+    decode = [s for s in steps if s.kind == "decode"]
+    bound_s = roofline_bound_s(ceilings, dtype, ((s.flops, s.bytes_moved) for s in steps))
+    decode_bound_s = roofline_bound_s(ceilings, dtype, ((s.flops, s.bytes_moved) for s in decode))
+    decode_s = sum(s.duration_s for s in decode)
+    return {
+        "device": ceilings.name,
+        "peak_flops_per_s": ceilings.peak(dtype),
+        "bandwidth_bytes_per_s": ceilings.bandwidth_bytes_per_s,
+        "num_steps": len(steps),
+        "bound_s": round(bound_s, 3),
+        "fraction_of_bound": round(bound_s / duration_s, 3),
+        "decode_steps": len(decode),
+        "decode_bound_s": round(decode_bound_s, 3),
+        "decode_fraction_of_bound": round(decode_bound_s / decode_s, 3) if decode_s else None,
+    }
 
 
 class _StepClock:

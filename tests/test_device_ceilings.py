@@ -16,6 +16,7 @@ from engine.telemetry.ceilings import (
     get_ceilings,
     roof_fraction,
     roofline,
+    roofline_bound_s,
     roofline_curve,
 )
 
@@ -58,6 +59,15 @@ def test_roof_fraction():
     # Compute-bound: 1000 FLOP / 1 byte in 20 s = 50 FLOP/s of a 100 peak.
     assert roof_fraction(TOY, "bfloat16", 1000.0, 1.0, 20.0) == pytest.approx(0.5)
     assert roof_fraction(TOY, "bfloat16", 0.0, 0.0, 0.1) == 0.0
+
+
+def test_roofline_bound_sums_each_steps_slower_roof():
+    # (FLOPs, bytes): 100 FLOP / 1 byte is compute-bound (1 s > 0.1 s); 10 FLOP / 50 bytes
+    # is memory-bound (5 s > 0.1 s); an empty step costs nothing.
+    steps = [(100.0, 1.0), (10.0, 50.0), (0.0, 0.0)]
+    assert roofline_bound_s(TOY, "bfloat16", steps) == pytest.approx(1.0 + 5.0)
+    assert roofline_bound_s(TOY, "float32", steps) == pytest.approx(10.0 + 5.0)
+    assert roofline_bound_s(TOY, "bfloat16", []) == 0.0
 
 
 def test_roofline_curve_has_sharp_ridge():

@@ -13,7 +13,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -127,6 +127,16 @@ def roof_fraction(
         return 0.0
     attainable = roofline(ceilings, dtype, flops / bytes_moved)
     return (flops / duration_s) / attainable
+
+
+def roofline_bound_s(
+    ceilings: DeviceCeilings, dtype: object, steps: Iterable[tuple[float, float]]
+) -> float:
+    """The least time `steps` ((flops, bytes_moved) each, from StepStats) could take on this
+    device: each step at its own roof (its FLOPs at peak or its bytes at bandwidth, whichever
+    takes longer), summed, since the steps run one after another."""
+    peak, bandwidth = ceilings.peak(dtype), ceilings.bandwidth_bytes_per_s
+    return sum(max(flops / peak, bytes_moved / bandwidth) for flops, bytes_moved in steps)
 
 
 def roofline_curve(

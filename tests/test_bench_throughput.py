@@ -1,0 +1,54 @@
+"""benchmarks.throughput end to end on a tiny random model: ours (continuous) vs static, every
+request's exact length, and the run's roofline bound from the device ceilings."""
+
+import json
+
+import pytest
+
+from benchmarks import throughput
+from engine.telemetry.ceilings import DeviceCeilings
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_bench_throughput_reports_the_roofline_bound(tmp_path, capsys, monkeypatch):
+    # Known ceilings (no measuring in a test): every step's bound can be checked by hand.
+    toy = DeviceCeilings(name="toy", peak_flops_per_s={"float32": 1e9}, bandwidth_bytes_per_s=1e9,
+                         measured=False, source="test")  # fmt: skip
+    monkeypatch.setattr(throughput, "get_ceilings", lambda device: toy)
+    out = tmp_path / "bench.json"
+    argv = ["--model", "random:tiny", "--dtype", "float32", "--num-requests", "6",
+            "--prompt-len", "4", "24", "--output-len", "2", "9", "--skip", "hf",
+            "--json", str(out)]  # fmt: skip
+    report = throughput.main(argv)
+    assert report == json.loads(out.read_text()) == json.loads(capsys.readouterr().out)
+    cont = report["results"]["continuous"]
+    assert cont["output_tokens"] == report["workload"]["output_tokens"]
+    roof = cont["roofline"]
+    assert roof["device"] == "toy" and roof["num_steps"] > 0
+    # 1 GFLOP/s and 1 GB/s: the bound is the sum of max(flops, bytes) / 1e9 over the steps.
+    assert roof["bound_s"] > 0 and 0 < roof["decode_bound_s"] <= roof["bound_s"]
+    assert roof["fraction_of_bound"] == pytest.approx(roof["bound_s"] / cont["duration_s"], 0.01)
+    assert "roofline" in report["results"]["static"]
+    assert report["ratios"]["continuous_vs_static"] > 0
+
+
+def test_roofline_report_sums_the_steps_by_hand(monkeypatch):
+    from engine.telemetry.stats import StepStats
+
+    toy = DeviceCeilings(name="toy", peak_flops_per_s={"float32": 10.0}, bandwidth_bytes_per_s=1.0,
+                         measured=False, source="test")  # fmt: skip
+    monkeypatch.setattr(throughput, "get_ceilings", lambda device: toy)
+
+    def step(kind: str, flops: float, nbytes: float, duration_s: float) -> StepStats:
+        return StepStats(step_index=0, start_time=0.0, duration_s=duration_s, kind=kind,
+                         num_prefill_tokens=0, num_decode_tokens=0, num_prefill_reqs=0,
+                         num_decode_reqs=0, batch_size=1, num_running=0, num_waiting=0,
+                         num_preemptions=0, num_blocks_used=0, num_blocks_free=0,
+                         num_kv_blocks=1, flops=flops, bytes_moved=nbytes)  # fmt: skip
+
+    steps = [step("prefill", 100.0, 2.0, 20.0), step("decode", 10.0, 4.0, 8.0)]
+    roof = throughput.roofline_report(steps, "cpu", "float32", duration_s=30.0)
+    # prefill: max(100/10, 2/1) = 10 s; decode: max(10/10, 4/1) = 4 s.
+    assert roof["bound_s"] == 14.0 and roof["fraction_of_bound"] == round(14 / 30, 3)
+    assert roof["decode_bound_s"] == 4.0 and roof["decode_fraction_of_bound"] == 0.5
