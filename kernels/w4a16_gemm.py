@@ -6,12 +6,15 @@ One program computes a [BLOCK_M, 64] tile of y: the 64 output rows of one packed
 K tile (BLOCK_K inputs, inside one quantization group) it loads the block's bytes
 [BLOCK_K, 32] twice, as the low nibbles (rows 0..31) and the high nibbles (rows 32..63),
 applies w = (q - 8) * s + zf with the group's (s, zf) per row, and feeds tl.dot.
-Requires N % 64 == 0 (no packed tail) and BLOCK_K dividing the group size. No split-K yet
-(small M leaves most of a GPU idle when N / 64 is small).
+Requires N % 64 == 0 (no packed tail) and BLOCK_K dividing the group size.
 
-Tested under TRITON_INTERPRET=1 only: no GPU was at hand to measure it, so the engine does not
-call it yet and quantized layers on CUDA take the dequantize + GEMM path
-(engine/runner/quant/apply.py).
+Split-K: a decode step has few rows, so (M / 16) x (N / 64) programs can leave most of a GPU's
+SMs idle (SmolLM2's o_proj at M = 1: 9 programs for 132 SMs). With split_k > 1 each program
+covers K / split_k inputs and adds its partial tile into a float32 output with atomic adds;
+the caller casts it to x's dtype. split_k_for() picks it from the SM count.
+
+Tested under TRITON_INTERPRET=1; on CUDA the engine calls it for quantized layers below
+CUDA_DEQUANT_MIN_ROWS rows (engine/runner/quant/apply.py), the dequantize + GEMM path above.
 """
 
 import torch
@@ -33,19 +36,22 @@ def _w4a16_kernel(
     M,
     N,
     K,
+    K_PER_SPLIT,  # inputs per split-K program: a multiple of BLOCK_K
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     block = tl.program_id(1)  # one packed block = 64 output rows
+    k_start = tl.program_id(2) * K_PER_SPLIT
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, 64)  # output rows inside the block
     n = block * 64 + cols
     byte = cols % 32
     shift = (cols // 32) * 4  # low nibble for rows 0..31, high for 32..63
     acc = tl.zeros((BLOCK_M, 64), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + rows_m[:, None].to(tl.int64) * K + ks[None, :],
@@ -62,14 +68,40 @@ def _w4a16_kernel(
         # 16-bit operands (tensor cores), float32 accumulation.
         acc += tl.dot(x, w.to(x.dtype))
     y_offsets = rows_m[:, None].to(tl.int64) * N + n[None, :]
-    tl.store(y_ptr + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=rows_m[:, None] < M)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=rows_m[:, None] < M)
+    else:  # y is float32, zeroed: the splits' partial sums meet there
+        tl.atomic_add(y_ptr + y_offsets, acc, mask=rows_m[:, None] < M)
+
+
+def w4a16_supports(n: int, group_size: int) -> bool:
+    """Whether the kernel takes a weight of N rows in groups of group_size: whole packed blocks
+    (no tail) and K tiles that never straddle a group."""
+    return n % INT4_BLOCK_ROWS == 0 and group_size % BLOCK_K == 0
+
+
+def split_k_for(num_tiles: int, k: int, block_k: int, num_sms: int) -> int:
+    """Splits of K (a power of two): doubled while the programs stay within twice the SM count
+    and each split keeps at least 4 K tiles (shorter splits spend more on atomic adds and the
+    float32 output than they gain in parallelism)."""
+    split = 1
+    if num_sms <= 1:  # not a GPU (the interpreter): nothing to fill
+        return split
+    while num_tiles * split * 2 <= 2 * num_sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return split
 
 
 def w4a16_gemm(
-    x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale_and_zero: torch.Tensor,
+    group_size: int,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ packed int4 W [N, K/2] with scale_and_zero [K/G, N, 2] -> [M, N] in x's
-    dtype (the CPU kernel's signature: kernels/weight_only_cpu.int4_weight_only_mm)."""
+    dtype (the CPU kernel's signature: kernels/weight_only_cpu.int4_weight_only_mm).
+    split_k: None = split_k_for() on a GPU's SM count (1 on CPU, the interpreter)."""
     assert x.dim() == 2 and x.is_contiguous(), f"x must be contiguous [M, K], got {tuple(x.shape)}"
     m, k = x.shape
     n = packed.shape[0]
@@ -82,10 +114,26 @@ def w4a16_gemm(
         f"group size {group_size} must be a multiple of {BLOCK_K} and divide K = {k}"
     )
     assert scale_and_zero.shape == (k // group_size, n, 2) and scale_and_zero.is_contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, BLOCK_M), n // INT4_BLOCK_ROWS)
+    tiles = triton.cdiv(m, BLOCK_M) * (n // INT4_BLOCK_ROWS)
+    if split_k is None:
+        split_k = split_k_for(tiles, k, BLOCK_K, num_sms(x.device))
+    # Whole K tiles per split; a K tile never straddles a group (BLOCK_K divides G).
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), BLOCK_K) * BLOCK_K
+    split_k = triton.cdiv(k, k_per_split)
+    if split_k == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, BLOCK_M), n // INT4_BLOCK_ROWS, split_k)
     _w4a16_kernel[grid](
-        x, packed, scale_and_zero, y, m, n, k,
-        GROUP_SIZE=group_size, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+        x, packed, scale_and_zero, y, m, n, k, k_per_split,
+        GROUP_SIZE=group_size, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, SPLIT_K=split_k,
     )  # fmt: skip
-    return y
+    return y if split_k == 1 else y.to(x.dtype)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (no split-K on CPU)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -8,7 +8,8 @@ For each kernel at realistic sizes (Llama-3-8B and SmolLM2-135M attention shapes
      gather + SDPA baseline like the engine's torch backend).
 Then, when `engine` imports, the same greedy tokens with and without CUDA graphs (float32),
 and end-to-end decode tokens/s with and without CUDA graphs (random:smollm2-135m,
-random:llama-3-8b; batch 1, 8, 64). One table is printed at the end.
+random:llama-3-8b; batch 1, 8, 64). Also the weight-only GEMMs of quantized layers
+(scripts/gpu_check_weights.py). One table is printed at the end.
 
     python scripts/gpu_check.py                   # on a CUDA machine
     python scripts/gpu_check.py --json out.json   # also write the rows as JSON
@@ -60,6 +61,12 @@ def main() -> int:
     bandwidth = None if args.cpu else copy_bandwidth_bytes_per_s(torch)
     for case in kernel_cases(args.cpu):
         row = run_kernel_case(case, device, bandwidth, torch)
+        failed |= not row["ok"]
+        rows.append(row)
+        print(f"  {row['check']:<8} {row['case']:<34} err {row['max_err']}", flush=True)
+    from gpu_check_weights import weight_only_rows  # scripts/ is on sys.path (run as a script)
+
+    for row in weight_only_rows(torch, device, bandwidth, args.cpu):
         failed |= not row["ok"]
         rows.append(row)
         print(f"  {row['check']:<8} {row['case']:<34} err {row['max_err']}", flush=True)
@@ -515,7 +522,7 @@ def print_table(rows: list[dict]) -> None:
         ("time_us", "triton us", "{:.1f}"),
         ("floor_us", "floor us", "{:.1f}"),
         ("pct_floor", "% floor", "{:.0f}%"),
-        ("ref_us", "torch ref us", "{:.0f}"),
+        ("ref_us", "torch ref us", "{:.0f}"),  # weight-only rows: dequantize + 16-bit GEMM
         ("sdpa_us", "torch sdpa us", "{:.0f}"),
         ("note", "note", "{}"),
     ]

@@ -24,7 +24,7 @@ def test_gpu_check_cpu_mode_passes_and_prints_table():
     header = next(i for i, line in enumerate(lines) if line.startswith("check "))
     assert "rel err" in lines[header] and lines[header + 1].startswith("-----")
     body = lines[header + 2 :]
-    for kernel in ("kv_store", "decode", "prefill"):
+    for kernel in ("kv_store", "decode", "prefill", "w8a16", "w4a16"):
         kernel_rows = [line for line in body if line.startswith(kernel)]
         assert kernel_rows and all(" ok " in line for line in kernel_rows), result.stdout
     assert any(line.startswith("e2e") and "skipped" in line for line in body)

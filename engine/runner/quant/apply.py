@@ -34,6 +34,10 @@ from engine.runner.quant.linear import (
 # M = 128: kernel 6.8 ms vs dequantize 6.7 ms (bf16 alone: 1.7 and 2.9 ms). The int4
 # dequantization costs more (unpacking nibbles), so its crossover is higher.
 CPU_DEQUANT_MIN_ROWS = {"int8": 64, "int4": 128}
+# CUDA: the Triton weight-only kernels (kernels/w4a16_gemm.py, w8a16_gemm.py) below this many
+# rows, dequantize + cuBLAS above: vLLM's AWQ path switches at 256 tokens. Not yet measured with
+# our kernels (no GPU was lent while they were written); scripts/gpu_check.py times both paths.
+CUDA_DEQUANT_MIN_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -150,8 +154,10 @@ def _summary(model: LlamaForCausalLM, method: str, group_size: int, min_rows: in
 
 
 def _dequant_min_rows(method: str, device: torch.device) -> int:
+    if device.type == "cuda":
+        return CUDA_DEQUANT_MIN_ROWS
     if device.type != "cpu":
-        return 0  # no weight-only kernel off CPU here: always dequantize
+        return 0  # no weight-only kernel for this device: always dequantize
     if method == "int4" and not cpu_int4_layout_matches():
         return 0
     return CPU_DEQUANT_MIN_ROWS[method]

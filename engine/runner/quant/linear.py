@@ -10,7 +10,9 @@ number of rows M (tokens, or logit rows for the LM head):
   layer; a bigger matrix (the LM head) is dequantized and multiplied in row chunks, so the
   scratch never holds a second 16-bit LM head.
 
-Off CPU (no weight-only kernel here) every call takes the dequantize path.
+On CUDA the weight-only path is a Triton kernel (kernels/w8a16_gemm.py, w4a16_gemm.py: the
+same stored bytes, dequantized in registers, split-K for few rows); on other devices every call
+takes the dequantize path.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class QuantLinear(nn.Module):
         self.scratch = scratch
         # Rows at and above which the dequantize + GEMM path runs (0: always).
         self.dequant_min_rows = dequant_min_rows
+        # Which weight-only kernel the small-M path calls: "triton" on CUDA, "cpu" (aten's)
+        # otherwise; tests set "triton" on CPU to run the Triton kernels under the interpreter.
+        self.weight_only_kernel = "triton" if scratch.buffer.device.type == "cuda" else "cpu"
         self.chunk_rows = self._chunk_rows()
 
     def _chunk_rows(self) -> int:
@@ -118,6 +123,10 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scales", w.scales.to(dtype))  # [N], the kernel wants x's dtype
 
     def weight_only_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_only_kernel == "triton":
+            from kernels.w8a16_gemm import w8a16_gemm  # imports Triton: only when used
+
+            return w8a16_gemm(x, self.qweight, self.scales)
         return int8_weight_only_mm(x, self.qweight, self.scales)
 
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
@@ -140,6 +149,12 @@ class Int4Linear(QuantLinear):
         self.register_buffer("scale_and_zero", scale_and_zero.to(dtype).contiguous())
 
     def weight_only_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_only_kernel == "triton":
+            from kernels.w4a16_gemm import w4a16_gemm, w4a16_supports  # imports Triton
+
+            if not w4a16_supports(self.out_features, self.group_size):
+                return self.dequant_mm(x)
+            return w4a16_gemm(x, self.packed, self.scale_and_zero, self.group_size)
         return int4_weight_only_mm(x, self.packed, self.scale_and_zero, self.group_size)
 
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
