@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui soak gpu-check clean
+.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-batch1 bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui soak gpu-check clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -67,6 +67,10 @@ format: setup-dev
 
 bench: setup
 	$(BIN)/python -m benchmarks.throughput $(ARGS)
+
+# Batch-1 TPOT: ours (oneDNN-prepacked weights, and without) vs HF generate vs the bandwidth floor.
+bench-batch1: setup
+	$(BIN)/python -m benchmarks.batch1 $(ARGS)
 
 bench-prefix: setup
 	$(BIN)/python -m benchmarks.prefix $(ARGS)

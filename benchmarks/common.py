@@ -75,3 +75,25 @@ def run_one_at_a_time(
     del llm
     gc.collect()
     return SequentialRun(outputs, duration_s, steps)
+
+
+def parse_vary(text: str) -> tuple[str, list[str]]:
+    """ "field=a,b,c" -> ("field", ["a", "b", "c"]); the field must be an EngineConfig field."""
+    name, sep, values = text.partition("=")
+    if not sep or not values:
+        raise ValueError(f"--vary: expected FIELD=V1,V2,..., got {text!r}")
+    if name not in EngineConfig.field_names():
+        raise ValueError(f"--vary: {name!r} is not an EngineConfig field")
+    return name, [v.strip() for v in values.split(",") if v.strip()]
+
+
+def typed_field_value(base: EngineConfig, field: str, value: str) -> object:
+    """A --vary value in its EngineConfig field's type (int fields such as block_size; else the string)."""
+    current = getattr(base, field)
+    if isinstance(current, bool):
+        return value.lower() in ("1", "true", "yes", "on")
+    if isinstance(current, int):
+        return int(value)
+    if isinstance(current, float):
+        return float(value)
+    return value

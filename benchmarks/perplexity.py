@@ -24,7 +24,7 @@ import gc
 import sys
 from collections.abc import Sequence
 
-from benchmarks.common import bench_parser, config_report, emit
+from benchmarks.common import bench_parser, config_report, emit, parse_vary, typed_field_value
 from engine.cli import config_from_args
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -39,16 +39,6 @@ from engine.quality import (
 from engine.runner.model_loader import load_tokenizer, resolve_model
 
 DEFAULT_VARY = "quantization=none,int8,int4"
-
-
-def parse_vary(text: str) -> tuple[str, list[str]]:
-    """ "field=a,b,c" -> ("field", ["a", "b", "c"]); the field must be an EngineConfig field."""
-    name, sep, values = text.partition("=")
-    if not sep or not values:
-        raise ValueError(f"--vary: expected FIELD=V1,V2,..., got {text!r}")
-    if name not in EngineConfig.field_names():
-        raise ValueError(f"--vary: {name!r} is not an EngineConfig field")
-    return name, [v.strip() for v in values.split(",") if v.strip()]
 
 
 def score(config: EngineConfig, windows: list[list[int]]) -> dict:
@@ -70,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         field, values = parse_vary(args.vary)
         base = config_from_args(args)
-        configs = [dataclasses.replace(base, **{field: _typed(base, field, v)}) for v in values]
+        configs = [
+            dataclasses.replace(base, **{field: typed_field_value(base, field, v)}) for v in values
+        ]
         if any(c.max_model_len is not None and c.max_model_len < args.context_len for c in configs):
             raise ValueError("--context-len: longer than max_model_len")
         tokenizer = load_tokenizer(resolve_model(base.model))
@@ -104,18 +96,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     emit(report, args.json)
     return 0
-
-
-def _typed(base: EngineConfig, field: str, value: str) -> object:
-    """A --vary value in its field's type (int fields such as block_size; else the string)."""
-    current = getattr(base, field)
-    if isinstance(current, bool):
-        return value.lower() in ("1", "true", "yes", "on")
-    if isinstance(current, int):
-        return int(value)
-    if isinstance(current, float):
-        return float(value)
-    return value
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ FLAG_HELP: dict[str, str] = {
     "layer's input size: SmolLM2's 576 takes 32 or 64)",
     "attention_backend": "auto = Triton kernels on CUDA, the torch reference on CPU",
     "enforce_eager": "turn CUDA graphs off",
+    "prepack_weights": "CPU, bfloat16: reorder linear weights for oneDNN once at load instead "
+    "of on every matmul (bit-identical outputs); --no-prepack-weights for the before",
     "num_threads": "CPU torch threads (default: all cores)",
     "step_history_len": "engine steps kept for the live charts",
     "request_history_len": "finished requests kept for the latency charts",

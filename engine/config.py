@@ -80,6 +80,9 @@ class EngineConfig:
     # --- execution ---
     attention_backend: AttentionBackend = "auto"
     enforce_eager: bool = False  # True turns CUDA graphs off
+    # CPU, 16-bit: linear weights reordered once for oneDNN instead of on every call (same
+    # outputs; engine/runner/models/prepack.py). False is the "before" for comparisons.
+    prepack_weights: bool = True
     num_threads: int | None = None  # CPU torch threads; None = all cores
 
     # --- telemetry ---

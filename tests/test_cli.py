@@ -7,7 +7,7 @@ import typing
 import pytest
 
 import app
-from benchmarks import kv_quant, prefix, quant, spec, throughput
+from benchmarks import batch1, kv_quant, prefix, quant, spec, throughput
 from engine.cli import FLAG_HELP, add_engine_args, config_from_args
 from engine.config import EngineConfig, literal_choices
 from engine.serving import server
@@ -21,6 +21,7 @@ CLIS = {
     "benchmarks.prefix": (prefix.build_parser, {"seed", "enable_prefix_caching"}),
     "benchmarks.spec": (spec.build_parser, {"seed", "speculative_method", "max_num_seqs"}),
     "benchmarks.quant": (quant.build_parser, {"seed", "quantization", "max_num_seqs"}),
+    "benchmarks.batch1": (batch1.build_parser, {"seed"}),
     "benchmarks.kv_quant": (
         kv_quant.build_parser,
         {"seed", "kv_cache_dtype", "kv_cache_memory_bytes"},

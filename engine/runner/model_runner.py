@@ -25,6 +25,7 @@ from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.logprobs import add_logprobs, prompt_logit_rows
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.llama import LlamaForCausalLM
+from engine.runner.models.prepack import PrepackedLinear, can_prepack, prepack_linears
 from engine.runner.onednn_cache import bound_onednn_caches
 from engine.runner.quant import QuantSummary, load_awq, quantize_model
 from engine.runner.quant.awq import check_awq_config
@@ -77,6 +78,10 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self.quant_summary: QuantSummary | None = None  # set by _load_model when quantized
         self.model = self._load_model(source)
+        # Linear layers packed for oneDNN (CPU, 16-bit); 0 when off or not possible here.
+        self.num_prepacked_linears = 0
+        if config.prepack_weights and can_prepack(self.device, self.dtype):
+            self.num_prepacked_linears = prepack_linears(self.model)
         self.kv_spec = self._plan_kv_cache()
         # Per layer (K, V[, K scales, V scales]), views of one [layers, 2, ...] tensor each.
         self.kv_caches = self.attn_backend.allocate_kv_caches(
@@ -377,10 +382,13 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes the weights take as stored (quantized values, scales and zeros included)."""
+        """Bytes the weights take as stored (quantized values, scales and zeros included; with
+        prepacking, the packed weights and a tied LM head's packed copy)."""
         if self.quant_summary is not None:
             return self.quant_summary.total_bytes
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tensors = [*self.model.parameters()]
+        tensors += [m.packed_weight for m in self.model.modules() if isinstance(m, PrepackedLinear)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def linear_bytes_per_param(self) -> float | None:

@@ -1,0 +1,145 @@
+"""Batch-1 latency: our engine against Hugging Face `generate` and the bandwidth floor, in one run.
+
+    python -m benchmarks.batch1                        # embedded SmolLM2-135M, bfloat16
+    python -m benchmarks.batch1 --vary prepack_weights=true,false
+    python -m benchmarks.batch1 --vary quantization=none,int8,int4
+
+One user, one request at a time (a chat, an agent loop): each prompt (--prompt-len tokens) is
+sent when the previous one has finished and generates exactly --output-len tokens, greedy.
+Measured per engine: TPOT (median over the prompts of each request's time per output token
+after the first) and TTFT. Engines, in this order, each built afresh in this process:
+- ours with the flags given, once per value of `--vary FIELD=V1,V2,...` (the first value is
+  the baseline the others are compared with; e.g. prepack_weights=true,false: the oneDNN weight
+  prepacking and its "before");
+- Hugging Face transformers `generate` on the same weights and dtype (one request at a time).
+The floor: a decode step reads every weight it multiplies by once (the cost model's bytes per
+step, engine/telemetry/cost.py), so TPOT >= those bytes / bandwidth, with the bandwidth from
+the measured device ceilings (engine/telemetry/ceilings.py). Printed as JSON: each engine's
+TPOT over the floor and over the baseline's TPOT, and whether its tokens equal the baseline's.
+Timings are noisy when other processes share the cores: the load average is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.common import bench_parser, config_report, emit, parse_vary, typed_field_value
+from engine.cli import config_from_args
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.request import SamplingParams
+from engine.runner.model_loader import resolve_model
+from engine.telemetry.ceilings import get_ceilings
+
+
+def run_ours(config: EngineConfig, prompts: list[list[int]], output_len: int) -> dict:
+    llm = LLM(**dataclasses.asdict(config))
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    outs = [llm.generate([p], params)[0] for p in prompts]
+    runner = llm.engine.runner
+    result = {
+        "tpot_ms": round(statistics.median(o.metrics.tpot_s for o in outs) * 1e3, 2),
+        "ttft_ms": round(statistics.median(o.metrics.ttft_s for o in outs) * 1e3, 1),
+        "weight_bytes_stored": runner.weight_bytes,
+        "weight_bytes_read_per_step": round(llm.engine.shape.weight_bytes),
+        "prepacked_linears": runner.num_prepacked_linears,
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "token_ids": [o.token_ids for o in outs],
+    }
+    del llm
+    gc.collect()
+    return result
+
+
+def run_hf(weights_dir, dtype: torch.dtype, prompts: list[list[int]], output_len: int) -> dict:
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    from benchmarks.throughput import _StepClock
+
+    model = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=dtype).eval()
+    tpots, ttfts, tokens = [], [], []
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=4, do_sample=False)
+        for p in prompts:
+            clock = _StepClock()
+            start = time.perf_counter()
+            out = model.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                logits_processor=LogitsProcessorList([clock]),
+            )  # fmt: skip
+            ttfts.append(clock.times[0] - start)
+            tpots.append((clock.times[-1] - clock.times[0]) / (len(clock.times) - 1))
+            tokens.append(out[0, len(p) :].tolist())
+    return {
+        "tpot_ms": round(statistics.median(tpots) * 1e3, 2),
+        "ttft_ms": round(statistics.median(ttfts) * 1e3, 1),
+        "token_ids": tokens,
+    }
+
+
+def build_parser():
+    p = bench_parser(__doc__)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=3)
+    p.add_argument("--vary", default="prepack_weights=true,false",
+                   help="FIELD=V1,V2,...: one engine per value, the first is the baseline")  # fmt: skip
+    p.add_argument("--skip-hf", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    field, values = parse_vary(args.vary)
+    source = resolve_model(config.model)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, source.arch.vocab_size) for _ in range(args.prompt_len)]
+               for _ in range(args.num_prompts)]  # fmt: skip
+    runs: dict[str, dict] = {}
+    for value in values:
+        cfg = config.replace(**{field: typed_field_value(config, field, value)})
+        runs[f"ours {field}={value}"] = run_ours(cfg, prompts, args.output_len)
+    base = next(iter(runs.values()))
+    if not args.skip_hf and source.weights_dir is not None:
+        dtype = getattr(torch, base["dtype"])
+        runs["hf generate"] = run_hf(source.weights_dir, dtype, prompts, args.output_len)
+    ceilings = get_ceilings(base["device"])
+    bandwidth = ceilings.bandwidth_bytes_per_s
+    base_tokens = base["token_ids"]
+    for run in runs.values():
+        run["same_tokens_as_baseline"] = run.pop("token_ids") == base_tokens
+        read = run.get("weight_bytes_read_per_step", base["weight_bytes_read_per_step"])
+        run["floor_tpot_ms"] = round(read / bandwidth * 1e3, 2)
+        run["tpot_over_floor"] = round(run["tpot_ms"] / run["floor_tpot_ms"], 2)
+        run["tpot_over_baseline"] = round(run["tpot_ms"] / base["tpot_ms"], 2)
+    report = {
+        "benchmark": "benchmarks.batch1",
+        "date": time.strftime("%Y-%m-%d"),
+        "device": ceilings.name,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "bandwidth_bytes_per_s": bandwidth,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "num_prompts": args.num_prompts,
+        "config": config_report(config),
+        "vary": field,
+        "runs": runs,
+    }
+    emit(report, args.json)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

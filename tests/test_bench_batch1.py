@@ -1,0 +1,32 @@
+"""benchmarks.batch1 end to end on a tiny random model: one engine per --vary value, the same
+greedy tokens, TPOT against the bandwidth floor from the device ceilings."""
+
+import json
+
+import pytest
+
+from benchmarks import batch1
+from engine.telemetry.ceilings import DeviceCeilings
+
+
+def test_bench_batch1_varies_a_field_and_reports_the_floor(tmp_path, capsys, monkeypatch):
+    toy = DeviceCeilings(name="toy", peak_flops_per_s={"bfloat16": 1e12}, bandwidth_bytes_per_s=1e9,
+                         measured=False, source="test")  # fmt: skip
+    monkeypatch.setattr(batch1, "get_ceilings", lambda device: toy)
+    out = tmp_path / "b1.json"
+    argv = ["--model", "random:tiny", "--prompt-len", "12", "--output-len", "5",
+            "--num-prompts", "2", "--vary", "prepack_weights=true,false", "--json", str(out)]  # fmt: skip
+    report = batch1.main(argv)
+    assert report == json.loads(out.read_text()) == json.loads(capsys.readouterr().out)
+    on, off = (
+        report["runs"]["ours prepack_weights=true"],
+        report["runs"]["ours prepack_weights=false"],
+    )
+    assert "hf generate" not in report["runs"]  # random weights: no checkpoint for HF to load
+    assert off["prepacked_linears"] == 0 and on["same_tokens_as_baseline"] is True
+    assert off["same_tokens_as_baseline"] is True  # prepacking changes no number
+    assert on["tpot_over_baseline"] == 1.0 and on["tpot_ms"] > 0
+    # 1 GB/s: the floor is the bytes a step reads, in ms = bytes / 1e6.
+    assert on["floor_tpot_ms"] == pytest.approx(on["weight_bytes_read_per_step"] / 1e6, abs=0.01)
+    assert on["tpot_over_floor"] == pytest.approx(on["tpot_ms"] / on["floor_tpot_ms"], rel=0.02)
+    assert report["vary"] == "prepack_weights" and report["config"]["dtype"] == "bfloat16"
