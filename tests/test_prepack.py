@@ -77,3 +77,19 @@ def test_float32_and_the_off_switch_leave_the_weights_alone():
     head = packed.model.lm_head.packed_weight
     extra = head.numel() * head.element_size() if plain.model.lm_head is None else 0
     assert packed.weight_bytes == plain.weight_bytes + extra
+
+
+def test_compare_preset_and_side_config_switch_prepacking():
+    from engine import EngineConfig
+    from playground.handlers.compare_engine import (
+        PREPACK_PRESET,
+        preset_sides,
+        side_config,
+        side_label,
+    )
+
+    a, b = preset_sides(PREPACK_PRESET)
+    base = EngineConfig(model="random:tiny", dtype="bfloat16")
+    assert side_config(base, a, 1024, 256, head_dim=64).prepack_weights is False
+    assert side_config(base, b, 1024, 256, head_dim=64).prepack_weights is True
+    assert side_label("B", b, a) == "B: prepack_weights=True"

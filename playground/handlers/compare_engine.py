@@ -37,6 +37,7 @@ SIDE_FIELDS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "quantization",
+    "prepack_weights",
 )
 BLOCK_SIZES = (8, 16, 32, 64)
 DEFAULT_SIDE: dict[str, Any] = {
@@ -50,7 +51,9 @@ DEFAULT_SIDE: dict[str, Any] = {
     "max_num_seqs": 8,
     "max_num_batched_tokens": 256,
     "quantization": "none",
+    "prepack_weights": True,
 }
+PREPACK_PRESET = "bf16 weights reordered per matmul vs prepacked"
 KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
 N_SHARING_PRESET = "n=4 with vs without prompt sharing"
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -81,6 +84,11 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "bf16 vs int4 weights": (
         {"quantization": "none", "max_num_seqs": 1},
         {"quantization": "int4", "max_num_seqs": 1},
+    ),
+    # CPU: oneDNN's per-call weight reorder is the larger share of a matmul at batch 1.
+    PREPACK_PRESET: (
+        {"prepack_weights": False, "max_num_seqs": 1},
+        {"prepack_weights": True, "max_num_seqs": 1},
     ),
     KV_QUANT_PRESET: ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "int8"}),
     # 16 slots: the 4 prompts' 4 samples all run at once on both sides.
@@ -208,6 +216,10 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # the weight-memory and same-tokens rows show the price (measured: see README, Quantization).
     "bf16 vs int8 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     "bf16 vs int4 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    # The same workload: one request at a time, so each decode matmul has one row and the
+    # weight reorder oneDNN does per call is most of it. "Same tokens as A" shows that
+    # prepacking changes no number. (On a GPU or in float32 both sides run the same path.)
+    PREPACK_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     # Long contexts: 8 requests of 224 + 32 tokens need 128 blocks of 16. The 1152-token
     # budget is 72 blocks in bfloat16 (4 requests at a time: the rest wait or are preempted)
     # and 139 in int8 (1 byte + a 2-byte scale per 64 values: 1.94x), so all 8 run at once.
@@ -323,6 +335,7 @@ def side_config(
         kv_layout=side["kv_layout"],
         enable_prefix_caching=prefix_caching,
         enable_prompt_sharing=bool(side.get("enable_prompt_sharing", True)),
+        prepack_weights=bool(side.get("prepack_weights", True)),
         speculative_method=side.get("speculative_method", "off"),
         kv_cache_dtype=kv_cache_dtype,
         num_kv_blocks=num_blocks,

@@ -100,6 +100,10 @@ def _side_form(name: str, values: dict) -> dict:
         "embedding and norms stay 16-bit)",
         elem_id=f"compare-{name.lower()}-weights",
     )
+    parts["prepack_weights"] = gr.Checkbox(
+        value=values["prepack_weights"],
+        label="Prepacked weights (CPU, bf16: reordered for oneDNN once at load, not per matmul)",
+    )
     return {f: parts[f] for f in SIDE_FIELDS}
 
 
