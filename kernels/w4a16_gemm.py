@@ -115,21 +115,29 @@ def w4a16_gemm(
     )
     assert scale_and_zero.shape == (k // group_size, n, 2) and scale_and_zero.is_contiguous()
     tiles = triton.cdiv(m, BLOCK_M) * (n // INT4_BLOCK_ROWS)
-    if split_k is None:
-        split_k = split_k_for(tiles, k, BLOCK_K, num_sms(x.device))
-    # Whole K tiles per split; a K tile never straddles a group (BLOCK_K divides G).
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), BLOCK_K) * BLOCK_K
-    split_k = triton.cdiv(k, k_per_split)
-    if split_k == 1:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    # A K tile never straddles a group: BLOCK_K divides G, and splits are whole K tiles.
+    split_k, k_per_split, y = plan_split_k(x, n, tiles, BLOCK_K, split_k)
     grid = (triton.cdiv(m, BLOCK_M), n // INT4_BLOCK_ROWS, split_k)
     _w4a16_kernel[grid](
         x, packed, scale_and_zero, y, m, n, k, k_per_split,
         GROUP_SIZE=group_size, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, SPLIT_K=split_k,
     )  # fmt: skip
     return y if split_k == 1 else y.to(x.dtype)
+
+
+def plan_split_k(
+    x: torch.Tensor, n: int, num_tiles: int, block_k: int, split_k: int | None
+) -> tuple[int, int, torch.Tensor]:
+    """(splits, inputs per split (whole K tiles), the output [M, N]) for a weight-only GEMM of
+    x [M, K]: x's dtype with one split, float32 zeros that the splits add into otherwise."""
+    m, k = x.shape
+    if split_k is None:
+        split_k = split_k_for(num_tiles, k, block_k, num_sms(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    if split_k == 1:
+        return split_k, k_per_split, torch.empty(m, n, dtype=x.dtype, device=x.device)
+    return split_k, k_per_split, torch.zeros(m, n, dtype=torch.float32, device=x.device)
 
 
 def num_sms(device: torch.device) -> int:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16_gemm import num_sms, split_k_for
+from kernels.w4a16_gemm import plan_split_k
 
 BLOCK_M = 16
 BLOCK_N = 64
@@ -78,14 +78,7 @@ def w8a16_gemm(
     assert scales.shape == (n,), f"scales must be [N], got {tuple(scales.shape)}"
     assert qweight.device == x.device == scales.device
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    if split_k is None:
-        split_k = split_k_for(tiles, k, BLOCK_K, num_sms(x.device))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), BLOCK_K) * BLOCK_K
-    split_k = triton.cdiv(k, k_per_split)
-    if split_k == 1:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    split_k, k_per_split, y = plan_split_k(x, n, tiles, BLOCK_K, split_k)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split_k)
     _w8a16_kernel[grid](
         x, qweight, scales, y, m, n, k, k_per_split,
