@@ -104,8 +104,10 @@ class ModelRunner:
                 "capability >= 8.9; use int8, or attention_backend='torch'"
             )
         return get_backend(name)(
-            arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype, self.device, kv_dtype
-        )
+            arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype, self.device, kv_dtype,
+            calculate_kv_scales=self.config.calculate_kv_scales,
+            kv_scale_granularity=self.config.kv_scale_granularity,
+        )  # fmt: skip
 
     def _use_cuda_graphs(self) -> bool:
         return (

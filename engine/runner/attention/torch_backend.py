@@ -63,6 +63,8 @@ class TorchBackend(AttentionBackend):
         return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
+        kv_cache = LayerKVCache(*kv_cache)
+        self.calculate_kv_scales_(k, v, kv_cache, meta.slot_mapping)
         return torch_attention(q, k, v, kv_cache, meta, scale)
 
     def build_metadata(

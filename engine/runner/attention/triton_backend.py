@@ -80,6 +80,7 @@ class TritonBackend(AttentionBackend):
         import kernels  # imported lazily: the torch backend must not need a working Triton
 
         cache = LayerKVCache(*kv_cache)
+        self.calculate_kv_scales_(k, v, cache, meta.slot_mapping)
         k_cache, v_cache = cache.key, cache.value
         scales = {"k_scale": cache.key_scale, "v_scale": cache.value_scale}
         kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
