@@ -10,7 +10,7 @@ from benchmarks.kv_quant import tokens_before_divergence
 from engine import LLM, EngineConfig
 from engine.request import SamplingParams
 from engine.runner.attention import TorchBackend, TritonBackend
-from engine.runner.attention.base import AttentionInputs
+from engine.runner.attention.base import AttentionInputs, AttentionMetadata
 from engine.runner.attention.kv_quant import (
     FP8_MAX,
     MIN_FP8_SCALE,
@@ -85,7 +85,7 @@ def _store_prefill(backend, cache: LayerKVCache, q, k, v) -> torch.Tensor:
     num_tokens = k.shape[0]
     slots = torch.arange(num_tokens)
     table = list(range(-(-num_tokens // BLOCK)))
-    inputs = AttentionInputs(slots, [], [], [num_tokens], [num_tokens], [table])
+    inputs = AttentionInputs(slots, [], [], [num_tokens], [num_tokens], [table], True)
     meta = backend.build_metadata(inputs, [cache])
     return backend.forward(q, k, v, cache, meta, HEAD_DIM**-0.5)
 
@@ -147,7 +147,8 @@ def test_calculated_scales_keep_values_beyond_448(backend_name, granularity):
     assert calculated_error < 0.05 < fixed_error
     # Frozen: a second, 10x larger batch keeps the first batch's scales.
     before = cache.key_scale.clone(), cache.value_scale.clone()
-    backend.calculate_kv_scales_(k * 10, v * 10, cache, torch.arange(20))
+    meta = AttentionMetadata(torch.arange(20), 0, calculate_kv_scales=True)
+    backend.calculate_kv_scales_(k * 10, v * 10, cache, meta)
     assert torch.equal(cache.key_scale, before[0]) and torch.equal(cache.value_scale, before[1])
 
 

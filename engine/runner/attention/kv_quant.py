@@ -20,9 +20,10 @@ quantize / dequantize the torch backend uses (the Triton kernels do the same mat
     never change. A later value beyond the first batch's amax clamps to +-448 x scale; for a
     model whose K/V exceed 448 (where 1.0 would clamp) that is the price of not clamping all.
   The scale tensors are per KV head either way ("tensor" fills every head with the one
-  value): each kernel program handles one KV head and folds its scale in exactly. A scale of
-  0 marks "not calculated yet"; calculating on the device with no host read keeps the store
-  capturable in CUDA graphs (a padding-only batch, as in graph capture, calculates nothing).
+  value): each kernel program handles one KV head and folds its scale in exactly. A new
+  pool's scales are 0 ("not calculated"); the model runner marks the pool's first step
+  (run eagerly, never from a CUDA graph), each layer sets its scales there with device ops
+  and no host read, and later steps skip the work.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def calculate_fp8_scale_(
     per_head: bool,
 ) -> None:
     """Set a layer's not-yet-calculated scale (0) to max(amax / 448, 2^-14) of this batch's
-    valid tokens, per KV head or one value for all heads; a calculated scale stays as it is.
-    Device ops only (no host read): graph-capturable, and a no-op after the first batch."""
+    valid tokens, per KV head or one value for all heads; a calculated scale stays as it is,
+    and a batch of padding only leaves it 0. Device ops only: no host sync."""
     if x.shape[0] == 0:
         return
     amax = x.detach().abs().amax(dim=-1).float().masked_fill(~valid[:, None], 0.0)  # [T, Hkv]
