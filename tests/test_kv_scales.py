@@ -110,7 +110,7 @@ def _reference_attention(q, k, v) -> torch.Tensor:
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 def test_calculated_scales_keep_values_beyond_448(backend_name, granularity):
-    """K/V up to ~3000 (and 100x apart between heads): scale 1.0 clamps them to 448; scales
+    """K/V up to ~4000 (a third beyond 448; heads 30x apart): scale 1.0 clamps those; scales
     calculated from this first batch store every value within fp8's relative precision, so
     attention matches the unquantized one, and a later, larger batch leaves them as they are."""
     gen = torch.Generator().manual_seed(0)
