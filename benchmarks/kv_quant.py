@@ -102,11 +102,7 @@ def measure(config: EngineConfig, prompts: list[list[int]], output_len: int) -> 
 def run_config(config: EngineConfig, kv_cache_dtype: str) -> EngineConfig:
     """`config` with this run's KV format; --calculate-kv-scales / --kv-scale-granularity
     apply to the fp8 run only (EngineConfig refuses them with the other formats)."""
-    if kv_cache_dtype == "fp8":
-        return config.replace(kv_cache_dtype="fp8")
-    return config.replace(
-        kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=False, kv_scale_granularity="tensor"
-    )
+    return config.with_kv_cache_dtype(kv_cache_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:

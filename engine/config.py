@@ -163,6 +163,16 @@ class EngineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> EngineConfig:
+        """A copy storing K/V as `kv_cache_dtype`, for callers that vary the format over a base
+        config (Compare's sides, bench-kvq's runs): fp8 keeps the base's scale settings, any
+        other format resets them (they are refused there)."""
+        if kv_cache_dtype == "fp8":
+            return self.replace(kv_cache_dtype="fp8")
+        return self.replace(
+            kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=False, kv_scale_granularity="tensor"
+        )
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
