@@ -9,6 +9,9 @@ tokens (ignore_eos), all submitted at once. The default budget holds all 8 reque
 queue or preempt. Per KV format it prints: blocks and tokens the budget holds, peak blocks
 used, preemptions, most requests running at once, TTFT p50/p99, duration and throughput.
 
+With --calculate-kv-scales the fp8 run's scales come from its first batch: the 4-token
+warm-up prompt (as a server's first request would set them).
+
 Quality: greedy agreement with 16-bit KV on 8 fixed short prompts (24 tokens each): tokens
 equal to the 16-bit run's before each sequence's first difference, over all tokens.
 Perplexity (the issue's quality target) waits for the logprobs work.
@@ -96,6 +99,12 @@ def measure(config: EngineConfig, prompts: list[list[int]], output_len: int) -> 
     }
 
 
+def run_config(config: EngineConfig, kv_cache_dtype: str) -> EngineConfig:
+    """`config` with this run's KV format; --calculate-kv-scales / --kv-scale-granularity
+    apply to the fp8 run only (EngineConfig refuses them with the other formats)."""
+    return config.with_kv_cache_dtype(kv_cache_dtype)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --kv-cache-dtype is not a flag: the benchmark runs each of --kv-dtypes.
     p = bench_parser(__doc__, exclude=("kv_cache_dtype", "kv_cache_memory_bytes"))
@@ -113,15 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = config_from_args(args, kv_cache_memory_bytes=args.kv_budget_bytes)
-    probe = LLM(**dataclasses.asdict(config.replace(num_kv_blocks=4)))
+    # Built as fp8, the one format that takes every scale flag; each run sets its own format.
+    config = config_from_args(
+        args, kv_cache_memory_bytes=args.kv_budget_bytes, kv_cache_dtype="fp8"
+    )
+    probe = LLM(
+        **dataclasses.asdict(run_config(config, args.kv_dtypes[0]).replace(num_kv_blocks=4))
+    )
     vocab_size = probe.engine.source.arch.vocab_size
     del probe
     prompts = make_prompts(args, vocab_size)
-    runs = [
-        measure(config.replace(kv_cache_dtype=kv), prompts, args.output_len)
-        for kv in args.kv_dtypes
-    ]
+    runs = [measure(run_config(config, kv), prompts, args.output_len) for kv in args.kv_dtypes]
     reference = runs[0]["agreement_token_ids"]
     num_agreement_tokens = sum(len(t) for t in reference)
     for run in runs:

@@ -33,7 +33,11 @@ FLAG_HELP: dict[str, str] = {
     "kv_layout": "paged, or contiguous: each request reserves max_model_len tokens up front "
     "(the pre-PagedAttention baseline)",
     "kv_cache_dtype": "K/V storage: auto = the model dtype; int8 (a scale per token and KV "
-    "head) or fp8 (e4m3, per-layer scales) hold ~2x the tokens of a 16-bit pool",
+    "head) or fp8 (e4m3, per-layer K/V scales) hold ~2x the tokens of a 16-bit pool",
+    "calculate_kv_scales": "fp8 KV: each layer's K and V scales = amax / 448 of the first batch "
+    "it stores, then frozen (--no-calculate-kv-scales: every scale 1.0)",
+    "kv_scale_granularity": "fp8 KV with calculated scales: one K and V scale per layer "
+    "(tensor) or per layer and KV head (head)",
     "enable_prefix_caching": "share the KV blocks of prompt prefixes seen before (a chat's "
     "earlier turns)",
     "enable_prompt_sharing": "n > 1: the n samples of a prompt share its KV blocks (copy-on-"

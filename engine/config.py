@@ -13,9 +13,12 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Batching = Literal["continuous", "static"]
 KVLayout = Literal["paged", "contiguous"]
 # "auto" = the model dtype; "int8" = symmetric int8 with a scale per token and KV head;
-# "fp8" = float8_e4m3fn with per-layer, per-KV-head K and V scales (engine/runner/attention/
-# kv_quant.py). Either halves the KV bytes of a 16-bit model.
+# "fp8" = float8_e4m3fn with per-layer K and V scales (engine/runner/attention/kv_quant.py).
+# Either halves the KV bytes of a 16-bit model.
 KVCacheDType = Literal["auto", "int8", "fp8"]
+# fp8's calculated scales: one K and one V scale per layer ("tensor", as vLLM's default) or one
+# per layer and KV head ("head").
+KVScaleGranularity = Literal["tensor", "head"]
 AttentionBackend = Literal["auto", "triton", "torch"]
 SpeculativeMethod = Literal["off", "ngram"]
 # Weight-only quantization of every linear layer (engine/runner/quant): int8 = per-output-channel
@@ -53,6 +56,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
     kv_layout: KVLayout = "paged"
     kv_cache_dtype: KVCacheDType = "auto"  # storage of K/V in the cache (see KVCacheDType)
+    # fp8 only: False = every K/V scale is 1.0; True = each layer's scales are amax / 448 of the
+    # first batch it stores, then frozen (blocks written with a scale must keep it).
+    calculate_kv_scales: bool = False
+    kv_scale_granularity: KVScaleGranularity = "tensor"  # calculated scales: per layer or head
     # Share the KV blocks of prompt prefixes computed before (needs the paged layout).
     enable_prefix_caching: bool = False
     # n > 1: the n sequences of a request share the prompt's blocks (fork + copy-on-write).
@@ -140,9 +147,11 @@ class EngineConfig:
             "enable_prompt_sharing",
             "enable_chunked_prefill",
             "enforce_eager",
+            "calculate_kv_scales",
         ):
             if not isinstance(getattr(self, name), bool):  # "no" would read as True
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        _check_kv_scales(self)
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
@@ -156,6 +165,16 @@ class EngineConfig:
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> EngineConfig:
+        """A copy storing K/V as `kv_cache_dtype`, for callers that vary the format over a base
+        config (Compare's sides, bench-kvq's runs): fp8 keeps the base's scale settings, any
+        other format resets them (they are refused there)."""
+        if kv_cache_dtype == "fp8":
+            return self.replace(kv_cache_dtype="fp8")
+        return self.replace(
+            kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=False, kv_scale_granularity="tensor"
+        )
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -177,6 +196,18 @@ def literal_choices() -> dict[str, tuple[str, ...]]:
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}: must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_kv_scales(config: EngineConfig) -> None:
+    """Scale settings only fp8 reads: refused elsewhere rather than silently ignored."""
+    if config.calculate_kv_scales and config.kv_cache_dtype != "fp8":
+        raise ValueError(
+            "calculate_kv_scales: needs kv_cache_dtype='fp8' (int8 computes a scale per token "
+            f"anyway, 16-bit K/V have none); got kv_cache_dtype={config.kv_cache_dtype!r}"
+        )
+    # Scales fixed at 1.0 are the same for every head: "head" would change nothing.
+    if config.kv_scale_granularity == "head" and not config.calculate_kv_scales:
+        raise ValueError("kv_scale_granularity: 'head' needs calculate_kv_scales=True")
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -50,6 +50,17 @@ KV_FORMAT_NAMES = {
 }
 
 
+def kv_scales_text(config: EngineConfig) -> str:
+    """fp8's scales after the KV format: ', scales 1.0' or where they come from; "" for the
+    other formats (int8's per-token scales are in its format name)."""
+    if config.kv_cache_dtype != "fp8":
+        return ""
+    if not config.calculate_kv_scales:
+        return ", scales 1.0"
+    per = "per layer" if config.kv_scale_granularity == "tensor" else "per layer and KV head"
+    return f", scales {per} from the first batch"
+
+
 def kv_format(kv_cache_dtype: str) -> str:
     """'bfloat16 K/V', 'int8 K/V + ...'; "" when the engine did not say (a remote server)."""
     if not kv_cache_dtype:
@@ -105,7 +116,8 @@ def describe(info: EngineInfo) -> str:
         f"{weight_format_text(c, info.dtype)}: {info.weight_bytes / 1e6:,.1f} MB · "
         f"on {info.device} · KV pool "
         f"{info.num_kv_blocks} blocks x {c.block_size} tokens, "
-        f"{info.kv_cache_bytes / 2**20:,.1f} MiB of {kv_format(info.kv_cache_dtype) or 'K/V'} "
+        f"{info.kv_cache_bytes / 2**20:,.1f} MiB of {kv_format(info.kv_cache_dtype) or 'K/V'}"
+        f"{kv_scales_text(c)} "
         f"({c.kv_layout}, prefix caching {'on' if c.enable_prefix_caching else 'off'}) · "
         f"{c.batching} batching, {_speculative(c)}max_num_seqs {c.max_num_seqs}, "
         f"max_num_batched_tokens {c.max_num_batched_tokens}, max_model_len "

@@ -3,6 +3,7 @@
 import json
 
 from benchmarks import kv_quant as bench_kvq
+from engine.cli import config_from_args
 
 
 def test_bench_kvq_reports_more_tokens_held_and_agreement(tmp_path, capsys):
@@ -24,3 +25,20 @@ def test_bench_kvq_reports_more_tokens_held_and_agreement(tmp_path, capsys):
     for run in (auto, int8):
         assert 0 < run["peak_blocks_used"] <= run["num_kv_blocks"]
         assert run["max_running_requests"] >= 1 and run["output_tokens_per_s"] > 0
+
+
+def test_calculated_fp8_scales_apply_to_the_fp8_run_only():
+    """EngineConfig refuses calculate_kv_scales outside fp8, so the benchmark gives the scale
+    flags to its fp8 run and resets them for the others."""
+    args = bench_kvq.build_parser().parse_args(
+        ["--calculate-kv-scales", "--kv-scale-granularity", "head"]
+    )
+    base = config_from_args(args, kv_cache_dtype="fp8")
+    auto, int8, fp8 = (bench_kvq.run_config(base, kv) for kv in ("auto", "int8", "fp8"))
+    assert (auto.calculate_kv_scales, int8.calculate_kv_scales) == (False, False)
+    assert (auto.kv_scale_granularity, int8.kv_scale_granularity) == ("tensor", "tensor")
+    assert (fp8.kv_cache_dtype, fp8.calculate_kv_scales, fp8.kv_scale_granularity) == (
+        "fp8",
+        True,
+        "head",
+    )

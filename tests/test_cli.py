@@ -63,7 +63,7 @@ def test_literal_choices_are_the_annotations():
     assert literal_choices()["kv_layout"] == typing.get_args(hints["kv_layout"])
     assert set(literal_choices()) == {
         "device", "dtype", "kv_layout", "kv_cache_dtype", "batching", "speculative_method",
-        "attention_backend", "quantization",
+        "attention_backend", "quantization", "kv_scale_granularity",
     }  # fmt: skip
     with pytest.raises(ValueError, match="kv_layout: must be one of paged, contiguous"):
         EngineConfig(kv_layout="ragged")  # type: ignore[arg-type]

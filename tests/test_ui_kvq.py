@@ -84,3 +84,18 @@ def test_kv_preset_int8_runs_every_request_at_once(service):
     assert rows["Preemptions"][2] == "0"
     assert rows["KV pool (blocks)"][1:3] == ["72", "139"]
     assert rows["Successful requests"][1:3] == ["8", "8"]
+
+
+def test_compare_gives_the_engines_fp8_scale_settings_to_fp8_sides_only():
+    """An app started with --kv-cache-dtype fp8 --calculate-kv-scales: a 16-bit or int8 side
+    must not inherit settings EngineConfig refuses there; an fp8 side keeps them."""
+    base = BASE.replace(kv_cache_dtype="fp8", calculate_kv_scales=True, kv_scale_granularity="head")
+    bf16, int8 = preset_sides(KV_QUANT_PRESET)
+    a = side_config(base, bf16, 1152, 512, head_dim=64)
+    fp8 = side_config(base, {**int8, "kv_cache_dtype": "fp8"}, 1152, 512, head_dim=64)
+    assert (a.kv_cache_dtype, a.calculate_kv_scales, a.kv_scale_granularity) == (
+        "auto",
+        False,
+        "tensor",
+    )
+    assert (fp8.calculate_kv_scales, fp8.kv_scale_granularity) == (True, "head")

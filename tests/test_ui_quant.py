@@ -4,6 +4,7 @@ both sides, has bf16-vs-int8/int4 presets, and rows for weight memory and greedy
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from engine import EngineConfig
@@ -115,3 +116,14 @@ def test_compare_sides_score_held_out_perplexity_through_the_engine():
     assert rows["Held-out perplexity (256 tokens of pydoc text)"][1:5] == [
         "15.25", "23.02", "x1.51", "A"
     ]  # fmt: skip
+
+
+def test_header_names_fp8_kv_scales():
+    fixed = EngineConfig(kv_cache_dtype="fp8")
+    header = describe(dataclasses.replace(_info(fixed), kv_cache_dtype="float8_e4m3fn"))
+    assert "MiB of fp8 (e4m3) K/V, scales 1.0 (paged" in header
+    per_head = fixed.replace(calculate_kv_scales=True, kv_scale_granularity="head")
+    assert "scales per layer and KV head from the first batch" in describe(_info(per_head))
+    per_layer = fixed.replace(calculate_kv_scales=True)
+    assert "scales per layer from the first batch" in describe(_info(per_layer))
+    assert "scales" not in describe(_info(EngineConfig(kv_cache_dtype="int8")))

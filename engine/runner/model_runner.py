@@ -77,6 +77,8 @@ class ModelRunner:
         self._seed_rng = random.Random(config.seed)
         self.graph_runner: CudaGraphRunner | None = None
         self.quant_summary: QuantSummary | None = None  # set by _load_model when quantized
+        # fp8 with calculate_kv_scales: True until a step has set the current pool's scales.
+        self._kv_scales_pending = False
         self.model = self._load_model(source)
         # Linear layers packed for oneDNN (CPU, 16-bit); 0 when off or not possible here.
         self.num_prepacked_linears = 0
@@ -87,6 +89,7 @@ class ModelRunner:
         self.kv_caches = self.attn_backend.allocate_kv_caches(
             self.arch.num_layers, self.kv_spec.num_blocks
         )
+        self._kv_scales_pending = config.calculate_kv_scales  # a new pool: scales not set
         # The block axis of one layer's K/V (and int8 scale) tensors: where the backend's
         # layout puts it, found as the one axis that grows with the number of blocks.
         one, two = self.attn_backend.kv_cache_shape(1), self.attn_backend.kv_cache_shape(2)
@@ -109,8 +112,10 @@ class ModelRunner:
                 "capability >= 8.9; use int8, or attention_backend='torch'"
             )
         return get_backend(name)(
-            arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype, self.device, kv_dtype
-        )
+            arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype, self.device, kv_dtype,
+            calculate_kv_scales=self.config.calculate_kv_scales,
+            kv_scale_granularity=self.config.kv_scale_granularity,
+        )  # fmt: skip
 
     def _use_cuda_graphs(self) -> bool:
         return (
@@ -190,11 +195,13 @@ class ModelRunner:
             Request("profile", [0] * num_tokens, _PROFILE_PARAMS, arrival_time=0.0),
             num_tokens, list(range(num_blocks)),
         )  # fmt: skip
-        saved = getattr(self, "kv_caches", None)
+        saved, saved_pending = getattr(self, "kv_caches", None), self._kv_scales_pending
         self.kv_caches = self.attn_backend.allocate_kv_caches(self.arch.num_layers, num_blocks)
+        self._kv_scales_pending = self.config.calculate_kv_scales  # the scratch pool's own
         try:
             self.execute(SchedulerOutput(scheduled=[dummy], num_prefill_tokens=num_tokens))
         finally:
+            self._kv_scales_pending = saved_pending
             if saved is None:
                 del self.kv_caches
             else:
@@ -255,19 +262,24 @@ class ModelRunner:
         """The model over the step's tokens: hidden states [T, hidden]."""
         decodes = step.decodes
         graphs = self.graph_runner
-        if not step.prefills and graphs and graphs.can_run(len(decodes)):
+        # The scale-setting step runs eagerly: captured graphs skip that work (base.py).
+        eager_only = self._kv_scales_pending
+        if not step.prefills and graphs and graphs.can_run(len(decodes)) and not eager_only:
             return graphs.run(
                 step.input_ids, step.positions, step.slots, [s.block_table for s in decodes],
                 [s.request.num_computed_tokens + 1 for s in decodes],
             )  # fmt: skip
         dev = self.device
         meta = self.attn_backend.build_metadata(self._attention_inputs(step), self.kv_caches)
-        return self.model(
+        hidden = self.model(
             torch.tensor(step.input_ids, device=dev),
             torch.tensor(step.positions, device=dev),
             self.kv_caches,
             meta,
         )
+        # Every layer has stored real tokens (eager steps have no padding): scales are set.
+        self._kv_scales_pending = False
+        return hidden
 
     def _attention_inputs(self, step: StepInputs) -> AttentionInputs:
         decodes, prefills = step.decodes, step.prefills
@@ -278,6 +290,7 @@ class ModelRunner:
             prefill_q_lens=[s.num_new_tokens for s in prefills],
             prefill_ctx_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in prefills],
             prefill_block_tables=[s.block_table for s in prefills],
+            calculate_kv_scales=self._kv_scales_pending,
         )
 
     @staticmethod

@@ -329,7 +329,8 @@ def side_config(
             f"KV budget: with the contiguous layout each request reserves max_model_len = "
             f"{int(max_model_len)} tokens, more than the {kv_budget_tokens}-token budget"
         )
-    return base.replace(
+    # The main engine's fp8 scale settings go to an fp8 side only (refused with other formats).
+    return base.with_kv_cache_dtype(kv_cache_dtype).replace(
         quantization=side.get("quantization", "none"),
         batching=side["batching"],
         kv_layout=side["kv_layout"],
@@ -337,7 +338,6 @@ def side_config(
         enable_prompt_sharing=bool(side.get("enable_prompt_sharing", True)),
         prepack_weights=bool(side.get("prepack_weights", True)),
         speculative_method=side.get("speculative_method", "off"),
-        kv_cache_dtype=kv_cache_dtype,
         num_kv_blocks=num_blocks,
         max_model_len=int(max_model_len),
         **values,

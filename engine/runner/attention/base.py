@@ -20,7 +20,12 @@ from typing import ClassVar
 
 import torch
 
-from engine.runner.attention.kv_quant import SCALE_DTYPES, LayerKVCache, storage_dtype
+from engine.runner.attention.kv_quant import (
+    SCALE_DTYPES,
+    LayerKVCache,
+    calculate_fp8_scale_,
+    storage_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,9 @@ class AttentionInputs:
     prefill_q_lens: list[int]  # per prefill request: new tokens this step
     prefill_ctx_lens: list[int]  # per prefill request: context after this step
     prefill_block_tables: list[list[int]]
+    # fp8 with calculate_kv_scales: this step is the pool's first, so each layer sets its
+    # scales from the step's K/V before storing them (the runner tracks it, once per pool).
+    calculate_kv_scales: bool = False
 
 
 @dataclass
@@ -43,6 +51,7 @@ class AttentionMetadata:
     num_decode_tokens: int  # decode requests come first, one token each
     prefill_q_lens: list[int] = field(default_factory=list)  # new tokens per prefill request
     prefill_ctx_lens: list[int] = field(default_factory=list)  # context after this step
+    calculate_kv_scales: bool = False  # AttentionInputs.calculate_kv_scales
 
 
 @dataclass(frozen=True)
@@ -94,12 +103,19 @@ class AttentionBackend(ABC):
 
     def __init__(
         self, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-        device: torch.device, kv_cache_dtype: str = "auto",
+        device: torch.device, kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
+        kv_scale_granularity: str = "tensor",
     ) -> None:  # fmt: skip
         if kv_cache_dtype not in self.kv_cache_dtypes:
             raise ValueError(
                 f"kv_cache_dtype: attention backend {self.name!r} supports "
                 f"{', '.join(self.kv_cache_dtypes)}; got {kv_cache_dtype!r}"
+            )
+        if calculate_kv_scales and kv_cache_dtype != "fp8":
+            raise ValueError("calculate_kv_scales: needs kv_cache_dtype='fp8'")
+        if kv_scale_granularity not in ("tensor", "head"):
+            raise ValueError(
+                f"kv_scale_granularity: must be one of tensor, head; got {kv_scale_granularity!r}"
             )
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -108,6 +124,9 @@ class AttentionBackend(ABC):
         self.device = device
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_storage_dtype = storage_dtype(kv_cache_dtype, dtype)
+        # fp8: scales from each layer's first stored batch (kv_quant.py), per layer or head.
+        self.calculate_kv_scales = calculate_kv_scales
+        self.kv_scales_per_head = kv_scale_granularity == "head"
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -147,15 +166,32 @@ class AttentionBackend(ABC):
         scale_shape = self.kv_scale_shape(num_blocks)
         if scale_shape is None:
             return [LayerKVCache(data[i, 0], data[i, 1]) for i in range(num_layers)]
-        # fp8's per-head scales are 1.0 (kv_quant.py says why); int8's are written per token.
-        scales = torch.ones(
-            num_layers, 2, *scale_shape,
+        # fp8's scales are 1.0, or 0 = "calculate from the first batch" (kv_quant.py says
+        # why); int8's are written per token. A new pool (the profiling pass's scratch one
+        # too) starts uncalculated, so no batch but the pool's own sets its scales.
+        fill = 0.0 if self.calculate_kv_scales else 1.0
+        scales = torch.full(
+            (num_layers, 2, *scale_shape), fill,
             dtype=SCALE_DTYPES[self.kv_cache_dtype], device=self.device,
         )  # fmt: skip
         return [
             LayerKVCache(data[i, 0], data[i, 1], scales[i, 0], scales[i, 1])
             for i in range(num_layers)
         ]
+
+    def calculate_kv_scales_(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
+    ) -> None:
+        """Before a store: in the step that meta marks (the pool's first), fp8 with
+        calculate_kv_scales sets the layer's scales from this batch where they are not set
+        yet. Other steps skip it on the host: ~10 small ops per layer, measured ~0.25 ms each
+        call on a loaded 2-core CPU, would cost more than a decode step's attention."""
+        if not (meta.calculate_kv_scales and self.calculate_kv_scales):
+            return
+        valid = meta.slot_mapping >= 0  # padding tokens (CUDA-graph buckets) store nothing
+        assert kv_cache.key_scale is not None and kv_cache.value_scale is not None
+        calculate_fp8_scale_(k, valid, kv_cache.key_scale, self.kv_scales_per_head)
+        calculate_fp8_scale_(v, valid, kv_cache.value_scale, self.kv_scales_per_head)
 
     @abstractmethod
     def build_metadata(

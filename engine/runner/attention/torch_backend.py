@@ -63,6 +63,8 @@ class TorchBackend(AttentionBackend):
         return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
+        kv_cache = LayerKVCache(*kv_cache)
+        self.calculate_kv_scales_(k, v, kv_cache, meta)
         return torch_attention(q, k, v, kv_cache, meta, scale)
 
     def build_metadata(
@@ -74,6 +76,7 @@ class TorchBackend(AttentionBackend):
             num_decode_tokens=len(inputs.decode_seq_lens),
             prefill_q_lens=inputs.prefill_q_lens,
             prefill_ctx_lens=inputs.prefill_ctx_lens,
+            calculate_kv_scales=inputs.calculate_kv_scales,
             store_index=store_rows(
                 inputs.slot_mapping, self.num_kv_heads, num_blocks * self.block_size
             ),

@@ -55,6 +55,7 @@ class TritonBackend(AttentionBackend):
             num_decode_tokens=len(inputs.decode_seq_lens),
             prefill_q_lens=inputs.prefill_q_lens,
             prefill_ctx_lens=inputs.prefill_ctx_lens,
+            calculate_kv_scales=inputs.calculate_kv_scales,
         )
         if seq_lens := inputs.decode_seq_lens:
             width = cdiv(max(seq_lens), bs)
@@ -80,6 +81,7 @@ class TritonBackend(AttentionBackend):
         import kernels  # imported lazily: the torch backend must not need a working Triton
 
         cache = LayerKVCache(*kv_cache)
+        self.calculate_kv_scales_(k, v, cache, meta)
         k_cache, v_cache = cache.key, cache.value
         scales = {"k_scale": cache.key_scale, "v_scale": cache.value_scale}
         kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
