@@ -31,8 +31,7 @@ import time
 
 import torch
 
-from benchmarks.common import bench_parser, config_report, emit, parse_vary, typed_field_value
-from engine.cli import config_from_args
+from benchmarks.common import bench_parser, config_report, emit, parse_vary, vary_configs
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
@@ -101,15 +100,15 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    config = config_from_args(args)
     field, values = parse_vary(args.vary)
+    configs = vary_configs(args, field, values)
+    config = configs[0]
     source = resolve_model(config.model)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, source.arch.vocab_size) for _ in range(args.prompt_len)]
                for _ in range(args.num_prompts)]  # fmt: skip
     runs: dict[str, dict] = {}
-    for value in values:
-        cfg = config.replace(**{field: typed_field_value(config, field, value)})
+    for value, cfg in zip(values, configs, strict=True):
         runs[f"ours {field}={value}"] = run_ours(cfg, prompts, args.output_len)
     base = next(iter(runs.values()))
     if not args.skip_hf and source.weights_dir is not None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.cli import add_engine_args
+from engine.cli import add_engine_args, config_from_args
 from engine.config import EngineConfig
 from engine.core.engine import Prompt
 from engine.llm import LLM
@@ -97,3 +97,14 @@ def typed_field_value(base: EngineConfig, field: str, value: str) -> object:
     if isinstance(current, float):
         return float(value)
     return value
+
+
+def vary_configs(args: argparse.Namespace, field: str, values: Sequence[str]) -> list[EngineConfig]:
+    """One EngineConfig per value of `field` over the parsed flags. Varying kv_cache_dtype
+    keeps fp8's scale flags (--calculate-kv-scales, ...) for the fp8 run only, as bench-kvq and
+    Compare do (EngineConfig.with_kv_cache_dtype): the other formats refuse them."""
+    if field == "kv_cache_dtype":
+        base = config_from_args(args, kv_cache_dtype="fp8")
+        return [base.with_kv_cache_dtype(v) for v in values]
+    base = config_from_args(args)
+    return [base.replace(**{field: typed_field_value(base, field, v)}) for v in values]

@@ -24,8 +24,7 @@ import gc
 import sys
 from collections.abc import Sequence
 
-from benchmarks.common import bench_parser, config_report, emit, parse_vary, typed_field_value
-from engine.cli import config_from_args
+from benchmarks.common import bench_parser, config_report, emit, parse_vary, vary_configs
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.quality import (
@@ -59,10 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         field, values = parse_vary(args.vary)
-        base = config_from_args(args)
-        configs = [
-            dataclasses.replace(base, **{field: typed_field_value(base, field, v)}) for v in values
-        ]
+        configs = vary_configs(args, field, values)
+        base = configs[0]
         if any(c.max_model_len is not None and c.max_model_len < args.context_len for c in configs):
             raise ValueError("--context-len: longer than max_model_len")
         tokenizer = load_tokenizer(resolve_model(base.model))

@@ -45,3 +45,14 @@ def test_bad_arguments_are_one_error_line(capsys):
     assert "not an EngineConfig field" in capsys.readouterr().err
     assert bench_ppl.main([*ARGS, "--num-windows", "100000"]) == 2
     assert "num_windows" in capsys.readouterr().err
+
+
+def test_varying_the_kv_format_keeps_fp8_scale_flags_for_fp8_only():
+    from benchmarks.common import bench_parser, vary_configs
+
+    args = bench_parser("doc").parse_args(["--model", "random:tiny", "--calculate-kv-scales"])
+    auto, int8, fp8 = vary_configs(args, "kv_cache_dtype", ["auto", "int8", "fp8"])
+    assert (auto.kv_cache_dtype, int8.kv_cache_dtype, fp8.kv_cache_dtype) == ("auto", "int8", "fp8")
+    assert fp8.calculate_kv_scales and not auto.calculate_kv_scales and not int8.calculate_kv_scales
+    (block8,) = vary_configs(bench_parser("doc").parse_args([]), "block_size", ["8"])
+    assert block8.block_size == 8
