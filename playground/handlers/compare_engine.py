@@ -53,6 +53,7 @@ DEFAULT_SIDE: dict[str, Any] = {
 }
 KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
 N_SHARING_PRESET = "n=4 with vs without prompt sharing"
+AWQ_PRESET = "int4 RTN vs AWQ weights (after bf16 vs int4)"
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "static vs continuous batching": (
         {"batching": "static", "max_num_seqs": 4},
@@ -81,6 +82,12 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "bf16 vs int4 weights": (
         {"quantization": "none", "max_num_seqs": 1},
         {"quantization": "int4", "max_num_seqs": 1},
+    ),
+    # The second run of "bf16 vs int4 RTN vs AWQ": the same 4-bit format and group size (64),
+    # round-to-nearest at load vs AutoAWQ's activation-aware checkpoint of the same model.
+    AWQ_PRESET: (
+        {"quantization": "int4", "max_num_seqs": 1},
+        {"quantization": "awq", "max_num_seqs": 1},
     ),
     KV_QUANT_PRESET: ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "int8"}),
     # 16 slots: the 4 prompts' 4 samples all run at once on both sides.
@@ -208,6 +215,8 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # the weight-memory and same-tokens rows show the price (measured: see README, Quantization).
     "bf16 vs int8 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     "bf16 vs int4 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    # Same speed expected (one kernel, one format): the point is the perplexity row.
+    AWQ_PRESET: PresetDefaults("Held-out perplexity (256 tokens of pydoc text)", QUANT_WORKLOAD),
     # Long contexts: 8 requests of 224 + 32 tokens need 128 blocks of 16. The 1152-token
     # budget is 72 blocks in bfloat16 (4 requests at a time: the rest wait or are preempted)
     # and 139 in int8 (1 byte + a 2-byte scale per 64 values: 1.94x), so all 8 run at once.
