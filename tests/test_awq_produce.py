@@ -242,3 +242,12 @@ def test_embedded_awq_checkpoint_is_made_on_first_use_then_cached(folders, tmp_p
         assert source.weights_dir == tmp_path / "models" / f"smollm2-135m-awq-g{GROUP}"
         assert source.quant_config["quant_method"] == "awq"
     assert made == [GROUP]
+
+
+def test_cli_errors_name_the_flag(tmp_path, capsys):
+    from engine.quantize.__main__ import main
+
+    assert main(["--model", "random:tiny", "--out", str(tmp_path / "o")]) == 2
+    assert "model: random:tiny is not a float Hugging Face folder" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path)]) == 2  # a folder of ours needs --out
+    assert "out: needed" in capsys.readouterr().err
