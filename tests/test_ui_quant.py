@@ -39,6 +39,7 @@ def test_header_names_the_format_what_stays_16_bit_and_the_bytes():
     assert "matmul weights bfloat16: 269.0 MB" in plain
     awq = describe(_info(EngineConfig(quantization="awq"), 150_000_000))
     assert "int4 from an AutoAWQ checkpoint" in awq and "biases and LM head stay bfloat16" in awq
+    assert "weights: AutoAWQ checkpoint of the Q4_1 GGUF (embedded" in awq
 
 
 def test_kv_loaded_model_counts_the_engines_stored_weight_bytes():
