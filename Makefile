@@ -79,7 +79,8 @@ bench-prefix: setup
 bench-spec: setup
 	$(BIN)/python -m benchmarks.spec $(ARGS)
 
-# none / int8 / int4 on the embedded model (a few minutes on 2 cores); the crossover of the
+# none / int8 / int4 / awq on the embedded model (a few minutes on 2 cores; awq needs the
+# checkpoint of `make quantize`, made first if missing); the crossover of the
 # quantized layers' two paths: python -m benchmarks.quant_crossover
 bench-quant: setup
 	$(BIN)/python -m benchmarks.quant $(ARGS)
