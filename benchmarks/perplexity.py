@@ -1,6 +1,6 @@
 """Held-out perplexity of one model under several engine settings, in one run.
 
-    python -m benchmarks.perplexity                                   # none / int8 / int4 weights
+    python -m benchmarks.perplexity                              # none / int8 / int4 / awq weights
     python -m benchmarks.perplexity --vary kv_cache_dtype=auto,int8,fp8 --context-len 2048
     python -m benchmarks.perplexity --vary quantization=none,int4 --quantization-group-size 32
 
@@ -37,7 +37,8 @@ from engine.quality import (
 )
 from engine.runner.model_loader import load_tokenizer, resolve_model
 
-DEFAULT_VARY = "quantization=none,int8,int4"
+# awq: the embedded model's AutoAWQ checkpoint (engine/quantize; made once if missing).
+DEFAULT_VARY = "quantization=none,int8,int4,awq"
 
 
 def score(config: EngineConfig, windows: list[list[int]]) -> dict:

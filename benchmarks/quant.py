@@ -1,7 +1,11 @@
-"""Quantization benchmark: none vs int8 vs int4 on one model, in one run.
+"""Quantization benchmark: none vs int8 vs int4 vs awq on one model, in one run.
 
     python -m benchmarks.quant                         # the embedded SmolLM2-135M, bfloat16
     python -m benchmarks.quant --quantization-group-size 32 --output-len 16
+    python -m benchmarks.quant --formats none,int4     # a model without an AWQ checkpoint
+
+awq runs the embedded model's AutoAWQ checkpoint at --quantization-group-size (engine/quantize:
+made once, 33 minutes measured on 2 busy CPU cores, if `make quantize` has not made it yet).
 
 For each format the engine is built afresh (same model, same seed) and measured four ways:
 - weight bytes: the weights as stored (quantized values + scales + zeros; the embedding and the
@@ -32,7 +36,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 
-FORMATS = ("none", "int8", "int4")
+FORMATS = ("none", "int8", "int4", "awq")
 BATCH_SIZE = 64
 
 # Greedy agreement prompts: short, varied, plain text (no hub data set needed).
@@ -109,14 +113,30 @@ def build_parser():
     p = bench_parser(__doc__, exclude=("quantization", "max_num_seqs"))
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request")
     p.add_argument("--prompt-len", type=int, default=16, help="batch-64 prompt tokens")
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help="comma-separated, the first is the baseline (default: all)")  # fmt: skip
     return p
+
+
+def parse_formats(text: str, model: str) -> list[str]:
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    if not formats or any(f not in FORMATS for f in formats):
+        raise ValueError(f"--formats: choose from {', '.join(FORMATS)}; got {text!r}")
+    if "awq" in formats and model.startswith("random:"):
+        raise ValueError("--formats: awq needs real weights (the embedded model's checkpoint)")
+    return formats
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args, max_num_seqs=BATCH_SIZE)
+    try:
+        formats = parse_formats(args.formats, config.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     runs = [
-        measure(config.replace(quantization=f), args.output_len, args.prompt_len) for f in FORMATS
+        measure(config.replace(quantization=f), args.output_len, args.prompt_len) for f in formats
     ]
     agreement(runs)
     base = runs[0]

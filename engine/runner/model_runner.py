@@ -29,6 +29,7 @@ from engine.runner.models.prepack import PrepackedLinear, can_prepack, prepack_l
 from engine.runner.onednn_cache import bound_onednn_caches
 from engine.runner.quant import QuantSummary, load_awq, quantize_model
 from engine.runner.quant.awq import check_awq_config
+from engine.runner.quant.linear import QuantLinear
 from engine.runner.sampler import sample
 from engine.runner.step_io import RunnerOutput, StepInputs, fail_request
 
@@ -405,8 +406,17 @@ class ModelRunner:
 
     @property
     def linear_bytes_per_param(self) -> float | None:
-        """Stored bytes per weight of the matmul layers; None when they are not quantized."""
-        return None if self.quant_summary is None else self.quant_summary.linear_bytes_per_param
+        """Stored bytes per weight of the matmul layers (decoder linears + LM head, what the
+        cost model reads per step); None when they are not quantized."""
+        summary = self.quant_summary
+        if summary is None:
+            return None
+        if isinstance(self.model.lm_head, QuantLinear):
+            return summary.linear_bytes_per_param
+        # AWQ checkpoints leave the LM head 16-bit; every step reads it all the same.
+        head = self.model.lm_head_weight
+        head_bytes = head.numel() * head.element_size()
+        return (summary.linear_bytes + head_bytes) / (summary.linear_params + head.numel())
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -56,6 +56,7 @@ DEFAULT_SIDE: dict[str, Any] = {
 PREPACK_PRESET = "bf16 weights reordered per matmul vs prepacked"
 KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
 N_SHARING_PRESET = "n=4 with vs without prompt sharing"
+AWQ_PRESET = "int4 RTN vs AWQ weights (after bf16 vs int4)"
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "static vs continuous batching": (
         {"batching": "static", "max_num_seqs": 4},
@@ -84,6 +85,12 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "bf16 vs int4 weights": (
         {"quantization": "none", "max_num_seqs": 1},
         {"quantization": "int4", "max_num_seqs": 1},
+    ),
+    # The second run of "bf16 vs int4 RTN vs AWQ": the same 4-bit format and group size (64),
+    # round-to-nearest at load vs AutoAWQ's activation-aware checkpoint of the same model.
+    AWQ_PRESET: (
+        {"quantization": "int4", "max_num_seqs": 1},
+        {"quantization": "awq", "max_num_seqs": 1},
     ),
     # CPU: oneDNN's per-call weight reorder is the larger share of a matmul at batch 1.
     PREPACK_PRESET: (
@@ -216,6 +223,8 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # the weight-memory and same-tokens rows show the price (measured: see README, Quantization).
     "bf16 vs int8 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     "bf16 vs int4 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    # Same speed expected (one kernel, one format): the point is the perplexity row.
+    AWQ_PRESET: PresetDefaults("Held-out perplexity (256 tokens of pydoc text)", QUANT_WORKLOAD),
     # The same workload: one request at a time, so each decode matmul has one row and the
     # weight reorder oneDNN does per call is most of it. "Same tokens as A" shows that
     # prepacking changes no number. (On a GPU or in float32 both sides run the same path.)

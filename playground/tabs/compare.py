@@ -93,11 +93,12 @@ def _side_form(name: str, values: dict) -> dict:
         precision=0,
     )
     parts["quantization"] = gr.Radio(
-        # Not "awq": it needs an AutoAWQ checkpoint as the model, and both sides run the same.
-        [q for q in literal_choices()["quantization"] if q != "awq"],
+        literal_choices()["quantization"],
         value=values["quantization"],
-        label="Weights: int8 / int4 weight-only in every linear and the LM head (the "
-        "embedding and norms stay 16-bit)",
+        label="Weights: int8 / int4 (round-to-nearest) weight-only in every linear and the LM "
+        "head; awq: int4 from an AutoAWQ checkpoint in the decoder layers (the embedded model's "
+        "is made once by `make quantize`, or on first use: minutes). The embedding and norms "
+        "stay 16-bit",
         elem_id=f"compare-{name.lower()}-weights",
     )
     parts["prepack_weights"] = gr.Checkbox(
