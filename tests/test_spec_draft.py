@@ -192,7 +192,7 @@ def test_rejection_sampling_with_draft_probs_keeps_the_target_distribution():
     logits = torch.log(p).repeat(3, 1)
     params = SamplingParams(max_tokens=4, temperature=1.0)
     gen = torch.Generator().manual_seed(0)
-    n = 20000
+    n = 3000
     drafts = torch.multinomial(q, n * 2, replacement=True, generator=gen).view(n, 2).tolist()
     counts = torch.zeros(6)
     second = torch.zeros(6)
@@ -212,7 +212,9 @@ def test_engine_first_drafted_token_follows_the_target_distribution():
     verify step of a draft that differs from the target, follows the target's distribution
     (its exact probabilities: the target engine's logprobs over the whole vocabulary)."""
     vocab = {"model": "random:tiny,vocab_size=8", "dtype": "float32", "max_model_len": 64}
-    temperature = 0.05  # random 0.02-std weights give flat logits; sharpen them so p != q
+    # Raw logits spread ~1 nat here; at 0.5 the target is peaked but every token is likely
+    # enough to count, and the draft's q differs from p.
+    temperature = 0.5
     target = LLM(**vocab, num_kv_blocks=64, seed=1)
     spec = LLM(**vocab, num_kv_blocks=256, seed=1, max_num_seqs=128, speculative_method="draft",
                speculative_model="random:tiny,vocab_size=8,hidden_size=32")  # fmt: skip
@@ -232,11 +234,5 @@ def test_engine_first_drafted_token_follows_the_target_distribution():
     probs = torch.softmax(torch.tensor([raw[t] for t in range(8)]) / temperature, dim=0)
     assert spec.stats().num_draft_tokens_total > 0
     assert spec.stats().num_accepted_tokens_total < spec.stats().num_draft_tokens_total
-    keep = probs * counts.sum() >= 5  # chi-square wants >= 5 expected per category
-    lumped_counts = torch.cat([counts[keep], counts[~keep].sum().view(1)])
-    lumped_probs = torch.cat([probs[keep], probs[~keep].sum().view(1)])
-    if not bool((~keep).any()):
-        lumped_counts, lumped_probs = counts, probs
-    df = len(lumped_counts) - 1
-    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}[df]
-    assert chi_square(lumped_counts, lumped_probs / lumped_probs.sum()) < critical
+    assert bool((probs * counts.sum() >= 5).all())  # chi-square wants >= 5 expected each
+    assert chi_square(counts, probs) < CHI2_CRITICAL_0_001[7]
