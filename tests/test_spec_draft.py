@@ -236,3 +236,22 @@ def test_engine_first_drafted_token_follows_the_target_distribution():
     assert spec.stats().num_accepted_tokens_total < spec.stats().num_draft_tokens_total
     assert bool((probs * counts.sum() >= 5).all())  # chi-square wants >= 5 expected each
     assert chi_square(counts, probs) < CHI2_CRITICAL_0_001[7]
+
+
+def test_engine_tab_summary_shows_the_draft_kv_and_acceptance_by_position():
+    from engine.telemetry.stats import EngineStats
+    from playground.handlers.live import summary_markdown
+
+    stats = EngineStats(
+        num_kv_blocks=10, num_free_kv_blocks=10, block_size=16, kv_cache_bytes=1 << 20,
+        num_running=0, num_waiting=0, num_preemptions_total=0, num_steps_total=3,
+        num_draft_tokens_total=6, num_accepted_tokens_total=4, num_spec_proposals_total=2,
+        num_draft_tokens_by_position=(2, 2, 2), num_accepted_tokens_by_position=(2, 1, 1),
+        draft_kv_cache_bytes=1 << 19,
+    )  # fmt: skip
+    text = summary_markdown(stats, 0)
+    assert "draft-model K/V" in text
+    assert (
+        "4 of 6 draft tokens accepted (67 %, 3.00 tokens per verify, by position 100 / 50 / 50 %)"
+        in text
+    )
