@@ -255,3 +255,27 @@ def test_engine_tab_summary_shows_the_draft_kv_and_acceptance_by_position():
         "4 of 6 draft tokens accepted (67 %, 3.00 tokens per verify, by position 100 / 50 / 50 %)"
         in text
     )
+
+
+@pytest.mark.slow
+def test_smollm2_with_its_int4_copy_as_draft_gives_the_same_greedy_tokens(llm_f32):
+    """The issue's setting in float32: the embedded model drafts for itself in int4."""
+    prompts = ["Why is the sky blue?", "Write a short poem about autumn leaves."]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = ids(llm_f32.generate(prompts, params))
+    llm = LLM(dtype="float32", max_model_len=512, speculative_method="draft",
+              speculative_quantization="int4")  # fmt: skip
+    assert ids(llm.generate(prompts, params)) == expected
+    stats = llm.stats()
+    assert 0 < stats.num_accepted_tokens_total <= stats.num_draft_tokens_total
+    assert stats.mean_accepted_length > 1.0
+    assert_no_leak(llm)
+
+
+def test_engine_info_names_the_draft_model_and_its_weights():
+    from playground.engine_info import _speculative
+
+    config = EngineConfig(speculative_method="draft", speculative_quantization="int4")
+    assert _speculative(config) == "speculative draft model the target itself in int4 (4 drafts), "
+    other = config.replace(speculative_model="random:tiny", speculative_quantization="none")
+    assert _speculative(other) == "speculative draft model random:tiny (4 drafts), "
