@@ -122,6 +122,7 @@ def test_stop_strings_match_one_token_decoding(base, other_draft):
         assert ids(a) == ids(b)
 
 
+@pytest.mark.slow
 def test_preemption_and_prefix_caching_keep_the_tokens(base):
     shared = list(range(500, 540))
     prompts = [[*shared, i, i + 1] for i in range(6)] + PROMPTS
