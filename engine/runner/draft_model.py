@@ -136,14 +136,10 @@ class DraftModel:
         tensors = [first.key] if first.key_scale is None else [first.key, first.key_scale]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
-    @property
-    def weight_bytes(self) -> int:
-        if self.quant_summary is not None:
-            return self.quant_summary.total_bytes
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
     # --- per step ---
-    def propose(self, scheduled: list[ScheduledRequest], generator_of: GeneratorOf) -> dict:
+    def propose(
+        self, scheduled: list[ScheduledRequest], generator_of: GeneratorOf
+    ) -> dict[str, Draft]:
         """Catch up on every scheduled request and draft for those with slots; returns request
         id -> Draft. Called inside inference_mode, after copy-on-write, before the target."""
         rows = [self._row(s) for s in scheduled]
@@ -248,7 +244,9 @@ class DraftModel:
         )
 
     @staticmethod
-    def _pick(logits: torch.Tensor, active: list[_Row], drafts: dict, generator_of) -> None:
+    def _pick(
+        logits: torch.Tensor, active: list[_Row], drafts: dict, generator_of: GeneratorOf
+    ) -> None:
         """Next draft token per row: the argmax for greedy requests; for sampling ones a draw
         from q (the request's temperature / top-k / top-p / min-p on the draft's logits),
         keeping q for rejection sampling."""
