@@ -280,3 +280,21 @@ def test_engine_info_names_the_draft_model_and_its_weights():
     assert _speculative(config) == "speculative draft model the target itself in int4 (4 drafts), "
     other = config.replace(speculative_model="random:tiny", speculative_quantization="none")
     assert _speculative(other) == "speculative draft model random:tiny (4 drafts), "
+
+
+def test_draft_passes_are_costed_and_plotted_on_the_roofline(other_draft):
+    from engine.telemetry.ceilings import PRESETS as DEVICES
+    from playground.figures.roofline import roofline_figure
+
+    before = len(other_draft.stats().steps)
+    other_draft.generate(PROMPTS[:2], greedy(12))
+    steps = other_draft.stats().steps[before:]
+    drafting = [s for s in steps if s.num_draft_tokens]
+    assert drafting and all(s.draft_flops > 0 and s.draft_bytes_moved > 0 for s in drafting)
+    # Every step runs the draft (catch-up at least); verify time is the rest of the forward.
+    assert all(0 < s.draft_duration_s < s.duration_s for s in steps)
+    assert all(s.verify_duration_s > 0 for s in drafting)
+    assert all(s.target_duration_s == s.duration_s - s.draft_duration_s for s in steps)
+    fig = roofline_figure(DEVICES["H100 SXM"], "float32", steps)
+    (points,) = [t for t in fig.data if t.name == "draft-model passes"]
+    assert len(points.x) == sum(s.draft_flops > 0 for s in steps)

@@ -97,12 +97,29 @@ class LLMEngine:
             self.metrics_registry,
             step_history_len=config.step_history_len,
             request_history_len=config.request_history_len,
+            draft_shape=self._draft_shape(),
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.proposer = _make_proposer(config)
         self._requests: dict[str, Request] = {}  # every sequence, by its own id
         # The caller's request id -> its sequences (one, or n with parallel sampling).
         self._groups: dict[str, list[Request]] = {}
+
+    def _draft_shape(self) -> ModelShape | None:
+        """The draft model's shape for the cost model (None without one)."""
+        drafter = self.runner.drafter
+        if drafter is None:
+            return None
+        itemsize = self.runner.dtype.itemsize
+        summary = drafter.quant_summary
+        return ModelShape.from_arch(
+            drafter.arch,
+            itemsize,
+            kv_bytes_per_element=kv_bytes_per_element(
+                self.config.kv_cache_dtype, itemsize, drafter.arch.head_dim
+            ),
+            linear_bytes_per_param=summary.linear_bytes_per_param if summary else None,
+        )
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.source.arch.eos_token_ids)
@@ -327,7 +344,8 @@ class LLMEngine:
         outputs += self.outputs.process(touched)  # may finish requests (stop strings, errors)
         self._release([request for request in touched if request.finished])
         self.recorder.record_step(start, sched, result.sampled, time.perf_counter(),
-                                  result.draft_time_s, execute_time_s)  # fmt: skip
+                                  result.draft_time_s, execute_time_s,
+                                  result.draft_passes)  # fmt: skip
         return self._mark_request_finished(outputs)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:

@@ -116,6 +116,9 @@ class DraftModel:
             field="speculative_quantization",
         )  # fmt: skip
         self.kv_caches: list = []  # allocate() fills it once the pool is sized
+        # The last propose()'s forward passes, for the cost model: per pass (new tokens per
+        # row, context per row after the pass, rows through the LM head).
+        self.last_passes: list[tuple[list[int], list[int], int]] = []
         # Request id -> (positions whose draft K/V is valid, the request's preemption count
         # then): after a preemption the request recomputes and its old count is stale.
         self._valid: dict[str, tuple[int, int]] = {}
@@ -145,6 +148,7 @@ class DraftModel:
         rows = [self._row(s) for s in scheduled]
         drafting = [row for row in rows if row.scheduled.num_draft_slots]
         logits = self._catch_up(rows, drafting)
+        self.last_passes = [([r.end - r.start for r in rows], [r.end for r in rows], len(drafting))]
         drafts: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         active = drafting
         for step in range(max((r.scheduled.num_draft_slots for r in drafting), default=0)):
@@ -213,6 +217,7 @@ class DraftModel:
         """d_step of each active row in at position num_computed + step: logits [B, V]."""
         input_ids = [drafts[r.scheduled.request.request_id][0][-1] for r in active]
         positions = [r.scheduled.request.num_computed_tokens + step for r in active]
+        self.last_passes.append(([1] * len(active), [p + 1 for p in positions], len(active)))
         inputs = AttentionInputs(
             slot_mapping=self._slots(active, positions, one_each=True),
             decode_seq_lens=[p + 1 for p in positions],

@@ -208,12 +208,13 @@ class ModelRunner:
             hidden = self._forward(step)
             picks, rows = self._logit_rows(step)
             prompt_rows = prompt_logit_rows(step, rows)
+            passes = self.drafter.last_passes if self.drafter is not None else []
             if not rows:
-                return RunnerOutput(draft_time_s=draft_time_s)
+                return RunnerOutput(draft_time_s=draft_time_s, draft_passes=passes)
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             result = self._sample_and_verify(logits, picks)
             add_logprobs(logits, picks, prompt_rows, result)
-            return replace(result, draft_time_s=draft_time_s)
+            return replace(result, draft_time_s=draft_time_s, draft_passes=passes)
 
     def _run_drafter(self, out: SchedulerOutput) -> float:
         """speculative_method="draft": the draft model catches up on the step's tokens and
@@ -221,6 +222,7 @@ class ModelRunner:
         self._step_drafts = {}
         if self.drafter is None:
             return 0.0
+        self.drafter.last_passes = []
         start = time.perf_counter()
         self._step_drafts = self.drafter.propose(out.scheduled, self._generator)
         self.synchronize()

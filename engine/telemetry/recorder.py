@@ -9,6 +9,7 @@ one (engine/telemetry/prom.py), else the engine keeps the null one. Pure Python,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -55,8 +56,10 @@ class StepRecorder:
         *,
         step_history_len: int,
         request_history_len: int,
+        draft_shape: ModelShape | None = None,
     ) -> None:
         self.shape = shape
+        self.draft_shape = draft_shape  # speculative_method="draft": the draft model's
         self.scheduler = scheduler  # read only: queue lengths after each step
         self.block_manager = block_manager  # read only: block counts after each step
         self.metrics = metrics
@@ -95,6 +98,7 @@ class StepRecorder:
         end_time: float,
         draft_time_s: float = 0.0,
         execute_time_s: float = 0.0,
+        draft_passes: Sequence[tuple[list[int], list[int], int]] = (),
     ) -> StepStats:
         """Record a finished step: its StepStats, and the prefix and draft totals.
         `draft_time_s` is the draft model's share of `execute_time_s` (the runner's)."""
@@ -111,6 +115,13 @@ class StepRecorder:
         stats = self._step_stats(
             start, sched, end_time, num_drafts, num_accepted, len(accepted), timing
         )
+        if draft_passes and self.draft_shape is not None:
+            costs = [step_cost(self.draft_shape, *p) for p in draft_passes]
+            stats = dataclasses.replace(
+                stats,
+                draft_flops=sum(c.flops for c in costs),
+                draft_bytes_moved=sum(c.bytes_moved for c in costs),
+            )
         if num_drafts:
             self.num_draft_tokens_total += num_drafts
             self.num_accepted_tokens_total += num_accepted

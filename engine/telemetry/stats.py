@@ -66,6 +66,10 @@ class StepStats:
     draft_duration_s: float = 0.0
     verify_duration_s: float = 0.0
     num_spec_proposals: int = 0  # requests that verified drafts this step
+    # The draft model's passes this step, estimated like flops / bytes_moved (which are the
+    # target's alone): the roofline plots them as points of their own.
+    draft_flops: float = 0.0
+    draft_bytes_moved: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +82,14 @@ class StepStats:
 
     @property
     def achieved_flops_per_s(self) -> float:
-        return self.flops / self.duration_s if self.duration_s > 0 else 0.0
+        """The target's FLOPs over the step's time without the draft model's share."""
+        seconds = self.target_duration_s
+        return self.flops / seconds if seconds > 0 else 0.0
+
+    @property
+    def target_duration_s(self) -> float:
+        """Seconds of the step not spent in the draft model (all of it without one)."""
+        return self.duration_s - self.draft_duration_s
 
     @property
     def achieved_bytes_per_s(self) -> float:
