@@ -298,3 +298,16 @@ def test_draft_passes_are_costed_and_plotted_on_the_roofline(other_draft):
     fig = roofline_figure(DEVICES["H100 SXM"], "float32", steps)
     (points,) = [t for t in fig.data if t.name == "draft-model passes"]
     assert len(points.x) == sum(s.draft_flops > 0 for s in steps)
+
+
+def test_compare_preset_runs_the_models_int8_copy_as_draft_in_half_the_blocks():
+    from playground.handlers.compare_engine import DRAFT_PRESET, preset_sides, side_config
+
+    base = EngineConfig(model="random:tiny", dtype="float32")
+    off, draft = preset_sides(DRAFT_PRESET)
+    a = side_config(base, off, 4096, 512, head_dim=16)
+    b = side_config(base, draft, 4096, 512, head_dim=16)
+    assert (a.speculative_method, b.speculative_method) == ("off", "draft")
+    assert b.speculative_quantization == "int8" and b.speculative_model is None
+    assert a.speculative_quantization == "none"  # the other side's engine is the plain one
+    assert b.num_kv_blocks == a.num_kv_blocks // 2 and a.max_num_seqs == b.max_num_seqs == 1
