@@ -48,9 +48,13 @@ FLAG_HELP: dict[str, str] = {
     f"{DEFAULT_MAX_MODEL_LEN})",
     "batching": "continuous, or static: a batch is admitted when the previous one has finished",
     "enable_chunked_prefill": "split long prompts into chunks under the step's token budget",
-    "speculative_method": "ngram: prompt-lookup drafts verified k at a time (greedy output "
-    "unchanged)",
+    "speculative_method": "ngram: prompt-lookup drafts; draft: a draft model's proposals; "
+    "either verified k at a time (greedy output unchanged, sampling's distribution exact)",
     "num_speculative_tokens": "draft tokens proposed per request and step",
+    "speculative_model": "--speculative-method draft: the draft model's spec (as --model; "
+    "default: the target's own)",
+    "speculative_quantization": "the draft model's weights: none, int8 or int4 (a 4-bit copy "
+    "of the target is a draft that needs no other weights)",
     "prompt_lookup_max": "ngram drafts: longest suffix looked up (tokens)",
     "prompt_lookup_min": "ngram drafts: shortest suffix looked up (tokens)",
     "quantization": "weight-only: int8 per output channel (W8A16) or int4 round-to-nearest per "

@@ -20,7 +20,11 @@ KVCacheDType = Literal["auto", "int8", "fp8"]
 # per layer and KV head ("head").
 KVScaleGranularity = Literal["tensor", "head"]
 AttentionBackend = Literal["auto", "triton", "torch"]
-SpeculativeMethod = Literal["off", "ngram"]
+# "ngram": prompt-lookup drafts; "draft": a draft model's proposals (engine/runner/draft_model.py).
+SpeculativeMethod = Literal["off", "ngram", "draft"]
+# The draft model's weights (speculative_method="draft"): a 4-bit copy of the target is a draft
+# that needs nothing but the target's own weights.
+SpeculativeQuantization = Literal["none", "int8", "int4"]
 # Weight-only quantization of every linear layer (engine/runner/quant): int8 = per-output-channel
 # symmetric (W8A16), int4 = group-wise asymmetric round-to-nearest with zero points, awq = an
 # AutoAWQ GEMM checkpoint folder loaded as it is (its own group size).
@@ -75,8 +79,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
 
     # --- speculative decoding (engine/core/spec_decode.py) ---
-    speculative_method: SpeculativeMethod = "off"  # "ngram": prompt-lookup drafts
+    speculative_method: SpeculativeMethod = "off"  # "ngram": prompt lookup; "draft": a model
     num_speculative_tokens: int = 4  # draft tokens proposed per request and step
+    # "draft": the draft model's spec (as `model`); None = the target's own spec.
+    speculative_model: str | None = None
+    speculative_quantization: SpeculativeQuantization = "none"  # the draft's weight format
     prompt_lookup_max: int = 4  # longest suffix looked up (tokens)
     prompt_lookup_min: int = 2  # shortest suffix looked up (tokens)
 
@@ -111,6 +118,9 @@ class EngineConfig:
             raise ValueError("enable_prefix_caching: needs kv_layout='paged'")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model: must be a non-empty model spec")
+        spec = self.speculative_model
+        if spec is not None and (not isinstance(spec, str) or not spec.strip()):
+            raise ValueError("speculative_model: must be a non-empty model spec or None")
         _check_positive("block_size", self.block_size)
         if self.quantization_group_size not in INT4_GROUP_SIZES or isinstance(
             self.quantization_group_size, bool

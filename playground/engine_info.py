@@ -131,4 +131,9 @@ def describe(info: EngineInfo) -> str:
 def _speculative(config: EngineConfig) -> str:
     if config.speculative_method == "off":
         return ""
+    if config.speculative_method == "draft":  # which model drafts, in which weights
+        model = config.speculative_model or "the target itself"
+        weights = config.speculative_quantization
+        fmt = "" if weights == "none" else f" in {weights}"
+        return f"speculative draft model {model}{fmt} ({config.num_speculative_tokens} drafts), "
     return f"speculative {config.speculative_method} ({config.num_speculative_tokens} drafts), "

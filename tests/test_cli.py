@@ -19,7 +19,10 @@ CLIS = {
     # Benchmarks: their own --seed seeds the workload; each varies one setting itself.
     "benchmarks.throughput": (throughput.build_parser, {"seed", "batching"}),
     "benchmarks.prefix": (prefix.build_parser, {"seed", "enable_prefix_caching"}),
-    "benchmarks.spec": (spec.build_parser, {"seed", "speculative_method", "max_num_seqs"}),
+    "benchmarks.spec": (
+        spec.build_parser,
+        {"seed", "speculative_method", "speculative_quantization", "max_num_seqs"},
+    ),
     "benchmarks.quant": (quant.build_parser, {"seed", "quantization", "max_num_seqs"}),
     "benchmarks.batch1": (batch1.build_parser, {"seed"}),
     "benchmarks.kv_quant": (
@@ -63,7 +66,7 @@ def test_literal_choices_are_the_annotations():
     assert literal_choices()["kv_layout"] == typing.get_args(hints["kv_layout"])
     assert set(literal_choices()) == {
         "device", "dtype", "kv_layout", "kv_cache_dtype", "batching", "speculative_method",
-        "attention_backend", "quantization", "kv_scale_granularity",
+        "attention_backend", "quantization", "kv_scale_granularity", "speculative_quantization",
     }  # fmt: skip
     with pytest.raises(ValueError, match="kv_layout: must be one of paged, contiguous"):
         EngineConfig(kv_layout="ragged")  # type: ignore[arg-type]

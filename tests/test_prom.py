@@ -86,7 +86,9 @@ def test_observe_step_and_finished_move_series():
     reg.observe_step(make_step(num_preemptions=2, num_running=1, num_waiting=0))
     reg.observe_finished(finished_metrics(), "stop")
     reg.observe_prefix_cache(num_query_tokens=32, num_hit_tokens=16)
-    reg.observe_spec_decode(num_draft_tokens=8, num_accepted_tokens=5)
+    reg.observe_spec_decode(
+        num_draft_tokens=8, num_accepted_tokens=5, num_drafts=2, accepted_by_position=[2, 2, 1]
+    )
     got = samples(reg)
     assert got[("playground:num_requests_running", ())] == 1
     assert got[("playground:num_requests_waiting", ())] == 0
@@ -106,6 +108,9 @@ def test_observe_step_and_finished_move_series():
     assert got[bucket] == 1  # the 0.1 s gap, not the 0.2 s one
     assert got[("playground:prefix_cache_hits_total", ())] == 16
     assert got[("playground:spec_decode_num_accepted_tokens_total", ())] == 5
+    assert got[("playground:spec_decode_num_drafts_total", ())] == 2
+    per_pos = "playground:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [got[(per_pos, (("position", str(i)),))] for i in range(3)] == [2, 2, 1]
 
 
 def test_abort_before_first_token_skips_missing_latencies():

@@ -98,8 +98,11 @@ class RecordingSink:
     def observe_prefix_cache(self, num_query_tokens, num_hit_tokens):
         self.calls.append(("prefix", num_query_tokens, num_hit_tokens))
 
-    def observe_spec_decode(self, num_draft_tokens, num_accepted_tokens):
+    def observe_spec_decode(
+        self, num_draft_tokens, num_accepted_tokens, num_drafts=0, accepted_by_position=()
+    ):
         self.calls.append(("spec", num_draft_tokens, num_accepted_tokens))
+        self.spec_details = (num_drafts, list(accepted_by_position))
 
 
 def test_step_recorder_counts_steps_prefix_lookups_and_drafts():
@@ -138,6 +141,11 @@ def test_step_recorder_counts_steps_prefix_lookups_and_drafts():
     recorder.record_finished("a", "length", request.metrics)
     assert recorder.num_steps == 2
     assert (recorder.num_draft_tokens_total, recorder.num_accepted_tokens_total) == (3, 2)
+    # One request verified 3 drafts and kept the first 2: positions 0 and 1 accepted, 2 not.
+    assert sink.spec_details == (1, [1, 1, 0])
+    assert recorder.num_spec_proposals_total == 1
+    assert recorder.num_draft_tokens_by_position == [1, 1, 1]
+    assert recorder.num_accepted_tokens_by_position == [1, 1, 0]
     assert recorder.num_prefix_query_tokens_total == 8 and recorder.num_prefix_hit_tokens_total == 0
     assert [s.step_index for s in recorder.step_history.snapshot()] == [0, 1]
     assert [f.finish_reason for f in recorder.finished_history.snapshot()] == ["length"]

@@ -21,7 +21,7 @@ from engine.core.block_manager import BlockManager, BlockSnapshot
 from engine.core.chat_template import tokenize_chat
 from engine.core.output import OutputProcessor
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.spec_decode import NgramProposer
+from engine.core.spec_decode import DraftSlotProposer, NgramProposer
 from engine.request import (
     Request,
     RequestOutput,
@@ -99,12 +99,29 @@ class LLMEngine:
             self.metrics_registry,
             step_history_len=config.step_history_len,
             request_history_len=config.request_history_len,
+            draft_shape=self._draft_shape(),
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
-        self.proposer = NgramProposer(config) if config.speculative_method == "ngram" else None
+        self.proposer = _make_proposer(config)
         self._requests: dict[str, Request] = {}  # every sequence, by its own id
         # The caller's request id -> its sequences (one, or n with parallel sampling).
         self._groups: dict[str, list[Request]] = {}
+
+    def _draft_shape(self) -> ModelShape | None:
+        """The draft model's shape for the cost model (None without one)."""
+        drafter = self.runner.drafter
+        if drafter is None:
+            return None
+        itemsize = self.runner.dtype.itemsize
+        summary = drafter.quant_summary
+        return ModelShape.from_arch(
+            drafter.arch,
+            itemsize,
+            kv_bytes_per_element=kv_bytes_per_element(
+                self.config.kv_cache_dtype, itemsize, drafter.arch.head_dim
+            ),
+            linear_bytes_per_param=summary.linear_bytes_per_param if summary else None,
+        )
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.source.arch.eos_token_ids)
@@ -310,8 +327,10 @@ class LLMEngine:
             return []
         start = self.recorder.start_step(sched, start_time)  # before update() advances requests
         try:
+            execute_start = time.perf_counter()
             result = self.runner.execute(sched)
             self.runner.synchronize()
+            execute_time_s = time.perf_counter() - execute_start
         except Exception as exc:
             return self._fail_step(sched, exc)
         # Requests whose sampling raised fail alone, before update(), which then skips them
@@ -326,7 +345,9 @@ class LLMEngine:
         )
         outputs += self.outputs.process(touched)  # may finish requests (stop strings, errors)
         self._release([request for request in touched if request.finished])
-        self.recorder.record_step(start, sched, result.sampled, time.perf_counter())
+        self.recorder.record_step(start, sched, result.sampled, time.perf_counter(),
+                                  result.draft_time_s, execute_time_s,
+                                  result.draft_passes)  # fmt: skip
         return self._mark_request_finished(outputs)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -378,6 +399,10 @@ class LLMEngine:
             num_prefix_evictions_total=self.block_manager.num_evictions_total,
             num_draft_tokens_total=recorder.num_draft_tokens_total,
             num_accepted_tokens_total=recorder.num_accepted_tokens_total,
+            num_spec_proposals_total=recorder.num_spec_proposals_total,
+            num_draft_tokens_by_position=tuple(recorder.num_draft_tokens_by_position),
+            num_accepted_tokens_by_position=tuple(recorder.num_accepted_tokens_by_position),
+            draft_kv_cache_bytes=self.runner.draft_kv_cache_bytes,
             num_block_copies_total=self.block_manager.num_block_copies_total,
             kv_cache_dtype=self.runner.kv_cache_dtype_name,
             num_steps_total=recorder.num_steps,
@@ -404,3 +429,12 @@ class LLMEngine:
                 )
             )
         return rows
+
+
+def _make_proposer(config: EngineConfig) -> NgramProposer | DraftSlotProposer | None:
+    """N-gram drafts come as tokens; the draft model's as slots the runner fills."""
+    if config.speculative_method == "ngram":
+        return NgramProposer(config)
+    if config.speculative_method == "draft":
+        return DraftSlotProposer(config)
+    return None

@@ -48,6 +48,9 @@ class ScheduledRequest:
     # Speculative tokens guessed to follow the request's last token, fed after it and
     # verified by this step: the proposer's draft cut to the step's token budget.
     draft_token_ids: list[int] = field(default_factory=list)
+    # speculative_method="draft": positions reserved after the last token that the runner's
+    # draft model fills in this step (its tokens exist only once the step runs).
+    num_draft_slots: int = 0
 
     @property
     def samples(self) -> bool:
@@ -66,7 +69,7 @@ class ScheduledRequest:
     @property
     def num_draft_tokens(self) -> int:
         """Speculative tokens scheduled past the known ones (verified by this step)."""
-        return len(self.draft_token_ids)
+        return len(self.draft_token_ids) + self.num_draft_slots
 
 
 @dataclass
@@ -146,9 +149,10 @@ class Scheduler:
         self.block_manager.free(request.request_id)
 
     # --- one step ---
-    def schedule(self, drafts: Mapping[str, list[int]] | None = None) -> SchedulerOutput:
-        """Pick this step's work. `drafts` maps request ids to speculative tokens (from the
-        proposer); a decoding request verifies as many of its draft as the budget leaves."""
+    def schedule(self, drafts: Mapping[str, list[int] | int] | None = None) -> SchedulerOutput:
+        """Pick this step's work. `drafts` maps request ids to speculative tokens (n-gram
+        proposer) or to a number of slots the runner's draft model fills (draft method); a
+        decoding request verifies as many of them as the budget leaves."""
         drafts = drafts or {}
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -163,13 +167,19 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            draft = drafts.get(request.request_id, [])[: budget - 1] if num_new == 1 else []
-            num_new += len(draft)  # decode: verify the draft too
+            draft: list[int] = []
+            slots = 0
+            proposal = drafts.get(request.request_id) if num_new == 1 else None
+            if isinstance(proposal, int):
+                slots = max(0, min(proposal, budget - 1))
+            elif proposal:
+                draft = proposal[: budget - 1]
+            num_new += len(draft) + slots  # decode: verify the draft too
             target = request.num_computed_tokens + num_new
             num_preempted = len(out.preempted_ids)
             if not self._reserve(request, target, out):
                 break  # the request preempted itself; nothing after it can run either
-            self._add(out, request, num_new, draft)
+            self._add(out, request, num_new, draft, slots)
             budget -= num_new
             if len(out.preempted_ids) == num_preempted:
                 i += 1
@@ -353,12 +363,13 @@ class Scheduler:
         out.preempted_ids.append(request.request_id)
 
     def _add(
-        self, out: SchedulerOutput, request: Request, num_new: int, draft: list[int] | None = None
-    ) -> None:
+        self, out: SchedulerOutput, request: Request, num_new: int,
+        draft: list[int] | None = None, num_draft_slots: int = 0,
+    ) -> None:  # fmt: skip
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.perf_counter()
         table = self.block_manager.block_table(request.request_id)
-        item = ScheduledRequest(request, num_new, table, draft or [])
+        item = ScheduledRequest(request, num_new, table, draft or [], num_draft_slots)
         out.scheduled.append(item)
         if item.is_decode:
             out.num_decode_tokens += num_new

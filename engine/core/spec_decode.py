@@ -1,4 +1,5 @@
-"""Speculative decoding with n-gram (prompt-lookup) drafts: propose, then verify in one step.
+"""Speculative decoding: propose drafts (n-gram lookup here; a draft model in
+engine/runner/draft_model.py), then verify them in one step of the target.
 
 Propose: the last n tokens of a request (n from prompt_lookup_max down to prompt_lookup_min)
 are looked up earlier in its own prompt + output; the k tokens that followed their latest
@@ -10,10 +11,11 @@ prefill over the cached context) and gets k + 1 rows of logits; row i is the mod
 distribution p_i for the token after d_1 .. d_i. Tokens are then accepted in order:
 - greedy: d_i is kept while it equals argmax p_{i-1}; the first mismatch is replaced by the
   argmax, so the output is exactly what one-token decoding would have produced;
-- sampling (rejection sampling with a one-hot draft q): d_i is kept with probability
-  p_{i-1}(d_i); on the first rejection a token is drawn from p_{i-1} with d_i removed
-  (renormalized), which leaves every output token distributed exactly as p (Leviathan et al.,
-  2023, with q = one-hot);
+- sampling (rejection sampling, Leviathan et al., 2023): d_i, drawn from the draft's
+  distribution q_{i-1}, is kept with probability min(1, p_{i-1}(d_i) / q_{i-1}(d_i)); on the
+  first rejection a token is drawn from norm(max(0, p_{i-1} - q_{i-1})). Then every output
+  token is distributed exactly as p. N-gram drafts are q = one-hot: keep with p(d_i), else
+  draw from p with d_i removed;
 - if all k are kept, one more token is taken from p_k (the bonus token).
 So a step yields 1 to k + 1 tokens for the cost of one forward pass over k + 1 positions.
 """
@@ -52,15 +54,43 @@ class NgramProposer:
                 # does a parallel-sampling sequence's (it computes the last prompt token on
                 # its own), which keeps sample i equal to a lone request seeded seed + i.
                 continue
-            room = min(
-                self.num_speculative_tokens,
-                request.params.max_tokens - request.num_output_tokens - 1,
-                request.max_total_tokens - request.num_tokens - 1,
-            )
+            room = draft_room(request, self.num_speculative_tokens)
             draft = propose_ngram(request.all_token_ids, room, self.min_n, self.max_n)
             if draft:
                 drafts[request.request_id] = draft
         return drafts
+
+
+class DraftSlotProposer:
+    """speculative_method="draft": how many tokens the runner's draft model proposes for each
+    decoding request (the scheduler reserves that many slots after its last token; the model
+    runner drafts them at the start of the step, batched, then the target verifies them)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+
+    def propose(self, running: Iterable[Request]) -> dict[str, int]:
+        """Request id -> draft slots, for the same requests and limits as n-gram drafts."""
+        slots = {}
+        for request in running:
+            if request.num_computed_tokens + 1 != request.num_tokens:
+                continue  # still prefilling
+            if not request.output_token_ids:
+                continue  # the first token comes from the prompt alone (see NgramProposer)
+            room = draft_room(request, self.num_speculative_tokens)
+            if room > 0:
+                slots[request.request_id] = room
+        return slots
+
+
+def draft_room(request: Request, num_speculative_tokens: int) -> int:
+    """Draft tokens a decoding request may verify: capped so that even if all are accepted it
+    stays within max_tokens and max_model_len."""
+    return min(
+        num_speculative_tokens,
+        request.params.max_tokens - request.num_output_tokens - 1,
+        request.max_total_tokens - request.num_tokens - 1,
+    )
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
@@ -87,6 +117,7 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None,
     history: Sequence[int] = (),  # prompt + output so far (for the repetition penalty)
+    draft_probs: torch.Tensor | None = None,  # [k, V] q_0 .. q_{k-1}; None = one-hot drafts
 ) -> list[int]:
     """The tokens this step produces for one request: accepted drafts plus one more."""
     assert logits.shape[0] == len(draft) + 1, "one row of logits per draft token, plus one"
@@ -102,13 +133,21 @@ def verify(
     out = []
     for i, drafted in enumerate(draft):
         p = probs[i]
-        accept = float(p[drafted])
+        if draft_probs is None:  # one-hot q: accept with p(d)
+            accept = float(p[drafted])
+        else:  # accept with min(1, p(d) / q(d)); q(d) > 0 as d was drawn from q
+            accept = float(p[drafted] / draft_probs[i, drafted].clamp_min(1e-30))
         draw = float(torch.rand((), generator=generator, device=logits.device))
         if accept >= 1.0 or draw < accept:
             out.append(int(drafted))
             continue
-        residual = p.clone()
-        residual[drafted] = 0.0
+        if draft_probs is None:
+            residual = p.clone()
+            residual[drafted] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q (rounding): the rejection had p(d) < q(d)
+            residual = p
         out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
         return out
     return [*out, int(torch.multinomial(probs[len(draft)], 1, generator=generator))]

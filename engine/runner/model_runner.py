@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import random
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,13 +23,14 @@ from engine.request import Request, SamplingParams
 from engine.runner.attention import default_backend_name, get_backend
 from engine.runner.attention.base import AttentionBackend, AttentionInputs
 from engine.runner.cuda_graphs import CudaGraphRunner
+from engine.runner.draft_model import Draft, DraftModel, resolve_draft_source
 from engine.runner.logprobs import add_logprobs, prompt_logit_rows
-from engine.runner.model_loader import ModelSource, iter_safetensors
+from engine.runner.model_build import WeightFormat, build_model
+from engine.runner.model_loader import ModelSource
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.models.prepack import PrepackedLinear, can_prepack, prepack_linears
 from engine.runner.onednn_cache import bound_onednn_caches
-from engine.runner.quant import QuantSummary, load_awq, quantize_model
-from engine.runner.quant.awq import check_awq_config
+from engine.runner.quant import QuantSummary
 from engine.runner.quant.linear import QuantLinear
 from engine.runner.sampler import sample
 from engine.runner.step_io import RunnerOutput, StepInputs, fail_request
@@ -85,12 +87,20 @@ class ModelRunner:
         self.num_prepacked_linears = 0
         if config.prepack_weights and can_prepack(self.device, self.dtype):
             self.num_prepacked_linears = prepack_linears(self.model)
+        # speculative_method="draft": the second model, its KV counted in the pool's budget.
+        self.drafter: DraftModel | None = None
+        if config.speculative_method == "draft":
+            draft_source = resolve_draft_source(config, source)
+            self.drafter = DraftModel(config, draft_source, max_model_len, self.attn_backend)
+        self._step_drafts: dict[str, Draft] = {}  # this step's draft-model proposals
         self.kv_spec = self._plan_kv_cache()
         # Per layer (K, V[, K scales, V scales]), views of one [layers, 2, ...] tensor each.
         self.kv_caches = self.attn_backend.allocate_kv_caches(
             self.arch.num_layers, self.kv_spec.num_blocks
         )
         self._kv_scales_pending = config.calculate_kv_scales  # a new pool: scales not set
+        if self.drafter is not None:  # same blocks, same slots: one block manager for both
+            self.drafter.kv_caches = self.drafter.allocate(self.kv_spec.num_blocks)
         # The block axis of one layer's K/V (and int8 scale) tensors: where the backend's
         # layout puts it, found as the one axis that grows with the number of blocks.
         one, two = self.attn_backend.kv_cache_shape(1), self.attn_backend.kv_cache_shape(2)
@@ -126,32 +136,12 @@ class ModelRunner:
         )
 
     def _load_model(self, source: ModelSource) -> LlamaForCausalLM:
-        # Built on the meta device, then materialized: no time spent on throw-away init.
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.arch, self.max_model_len, self.attn_backend)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        is_awq = bool(source.quant_config) and source.quant_config.get("quant_method") == "awq"
-        if self.config.quantization == "awq" or is_awq:
-            if self.config.quantization != "awq":
-                raise ValueError(
-                    f"quantization: {source.name} is an AutoAWQ checkpoint; load it with "
-                    "quantization='awq'"
-                )
-            group_size = check_awq_config(source.quant_config, source.name)
-            tensors = iter_safetensors(source.weights_dir)
-            self.quant_summary = load_awq(model, tensors, group_size, self.dtype)
-            model.init_rope()
-            return model.eval().requires_grad_(False)
-        if source.weights_dir is None:
-            _init_random_weights(model, seed=self.config.seed)
-        else:
-            model.load_hf_weights(iter_safetensors(source.weights_dir))
-        model.init_rope()
-        model = model.eval().requires_grad_(False)
-        if self.config.quantization != "none":
-            self.quant_summary = quantize_model(
-                model, self.config.quantization, self.config.quantization_group_size, self.dtype
-            )
+        fmt = WeightFormat(
+            self.config.quantization, self.config.quantization_group_size, self.config.seed
+        )
+        model, self.quant_summary = build_model(
+            source, self.max_model_len, self.attn_backend, self.device, self.dtype, fmt
+        )
         return model
 
     def _plan_kv_cache(self) -> KVCacheSpec:
@@ -160,6 +150,9 @@ class ModelRunner:
         num_layers = self.arch.num_layers
         bytes_per_block = self.attn_backend.kv_bytes_per_block(num_layers)
         fixed_bytes = self.attn_backend.kv_fixed_bytes(num_layers)
+        if self.drafter is not None:  # a block holds its tokens' K/V in both models
+            bytes_per_block += self.drafter.kv_bytes_per_block()
+            fixed_bytes += self.drafter.kv_fixed_bytes()
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -199,6 +192,10 @@ class ModelRunner:
         saved, saved_pending = getattr(self, "kv_caches", None), self._kv_scales_pending
         self.kv_caches = self.attn_backend.allocate_kv_caches(self.arch.num_layers, num_blocks)
         self._kv_scales_pending = self.config.calculate_kv_scales  # the scratch pool's own
+        drafter = self.drafter
+        saved_draft = drafter.kv_caches if drafter is not None else []
+        if drafter is not None:  # the draft runs over the same tokens first
+            drafter.kv_caches = drafter.allocate(num_blocks)
         try:
             self.execute(SchedulerOutput(scheduled=[dummy], num_prefill_tokens=num_tokens))
         finally:
@@ -207,6 +204,8 @@ class ModelRunner:
                 del self.kv_caches
             else:
                 self.kv_caches = saved
+            if drafter is not None:
+                drafter.kv_caches = saved_draft
             self.release("profile")
 
     # --- per step: prepare inputs -> forward -> logit rows -> sample / verify ---
@@ -214,19 +213,33 @@ class ModelRunner:
         """Run one step; returns the new tokens of every request that reached its end: one,
         or with speculative drafts the accepted ones plus one (engine/core/spec_decode.py),
         and the requests whose sampling failed. A failure of the forward pass itself raises."""
-        step = self._prepare_inputs(out)
         with torch.inference_mode():
             if out.block_copies:
                 self._copy_blocks(out.block_copies)
+            draft_time_s = self._run_drafter(out)
+            step = self._prepare_inputs(out)
             hidden = self._forward(step)
             picks, rows = self._logit_rows(step)
             prompt_rows = prompt_logit_rows(step, rows)
+            passes = self.drafter.last_passes if self.drafter is not None else []
             if not rows:
-                return RunnerOutput()
+                return RunnerOutput(draft_time_s=draft_time_s, draft_passes=passes)
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             result = self._sample_and_verify(logits, picks)
             add_logprobs(logits, picks, prompt_rows, result)
-            return result
+            return replace(result, draft_time_s=draft_time_s, draft_passes=passes)
+
+    def _run_drafter(self, out: SchedulerOutput) -> float:
+        """speculative_method="draft": the draft model catches up on the step's tokens and
+        proposes into the reserved slots. Returns its wall time in seconds (0 without one)."""
+        self._step_drafts = {}
+        if self.drafter is None:
+            return 0.0
+        self.drafter.last_passes = []
+        start = time.perf_counter()
+        self._step_drafts = self.drafter.propose(out.scheduled, self._generator)
+        self.synchronize()
+        return time.perf_counter() - start
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: each destination block gets the source's K and V in every layer,
@@ -234,7 +247,8 @@ class ModelRunner:
         axis = self._block_axis
         source = torch.tensor([s for s, _ in pairs], device=self.device)
         destination = torch.tensor([d for _, d in pairs], device=self.device)
-        for layer in self.kv_caches:
+        caches = [*self.kv_caches, *(self.drafter.kv_caches if self.drafter else [])]
+        for layer in caches:
             tensors = [layer.key, layer.value]
             if self.attn_backend.kv_cache_dtype == "int8":  # per-token scales live in blocks
                 tensors += [layer.key_scale, layer.value_scale]  # (fp8's are per head: shared)
@@ -254,7 +268,7 @@ class ModelRunner:
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
             input_ids.extend(token_slice(s.request, start, end))
-            input_ids.extend(_draft_ids(s))  # drafts sit past the known tokens
+            input_ids.extend(self._draft_ids(s))  # drafts sit past the known tokens
             positions.extend(range(start, end))
             slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, end))
         return StepInputs(ordered, len(decodes), input_ids, positions, slots)
@@ -320,14 +334,20 @@ class ModelRunner:
             self._sample_batch(logits, samplers, result)
         for s, first in picks:
             if s.num_draft_tokens:
-                r, drafts = s.request, _draft_ids(s)
+                r, drafts = s.request, self._draft_ids(s)
+                proposal = self._step_drafts.get(r.request_id)
                 try:
-                    result.sampled[r.request_id] = verify(
+                    tokens = verify(
                         logits[first : first + len(drafts) + 1], drafts, r.params,
                         self._generator(r), _penalty_history(r),
+                        proposal.probs if proposal is not None else None,
                     )  # fmt: skip
                 except Exception as exc:  # verification is per request already
                     fail_request(r, "draft verification", exc, result)
+                    continue
+                result.sampled[r.request_id] = tokens
+                if self.drafter is not None and s.num_draft_slots:
+                    self.drafter.accepted(s, len(tokens) - 1)
         return result
 
     def _sample_batch(
@@ -391,8 +411,17 @@ class ModelRunner:
         return gen
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (its RNG) once the request has finished."""
+        """Forget per-request state (its RNG, its draft's progress) once it has finished."""
         self._generators.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.release(request_id)
+
+    def _draft_ids(self, scheduled: ScheduledRequest) -> list[int]:
+        """The speculative tokens this step verifies for the request (the one place they are
+        read): the n-gram proposer's, carried by the scheduler, or the draft model's."""
+        if scheduled.num_draft_slots:
+            return self._step_drafts[scheduled.request.request_id].token_ids
+        return scheduled.draft_token_ids
 
     @property
     def weight_bytes(self) -> int:
@@ -413,10 +442,11 @@ class ModelRunner:
             return None
         if isinstance(self.model.lm_head, QuantLinear):
             return summary.linear_bytes_per_param
-        # AWQ checkpoints leave the LM head 16-bit; every step reads it all the same.
-        head = self.model.lm_head_weight
-        head_bytes = head.numel() * head.element_size()
-        return (summary.linear_bytes + head_bytes) / (summary.linear_params + head.numel())
+        # AWQ checkpoints leave the LM head 16-bit; every step reads it all the same. (Its
+        # shape, not its weight: a prepacked head has no plain weight to read.)
+        head_params = self.arch.vocab_size * self.arch.hidden_size
+        head_bytes = head_params * self.dtype.itemsize
+        return (summary.linear_bytes + head_bytes) / (summary.linear_params + head_params)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -425,6 +455,11 @@ class ModelRunner:
         first = self.kv_caches[0]
         tensors = [first.key] if first.key_scale is None else [first.key, first.key_scale]
         return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    @property
+    def draft_kv_cache_bytes(self) -> int:
+        """Bytes of the draft model's K/V tensors (0 without a draft model)."""
+        return self.drafter.kv_cache_bytes if self.drafter is not None else 0
 
     @property
     def kv_cache_dtype_name(self) -> str:
@@ -439,28 +474,6 @@ class ModelRunner:
 def _has_fp8(device: torch.device) -> bool:
     """Whether Triton can convert float8e4nv on `device` (the CPU interpreter can load it)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _draft_ids(scheduled: ScheduledRequest) -> list[int]:
-    """The speculative tokens this step verifies for the request (the one place they are read)."""
-    return scheduled.draft_token_ids
-
-
-def _init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
-    device = model.embed_tokens.weight.device
-    # Drawn on the model's device (an 8B model on a GPU would take minutes on the CPU), in
-    # row blocks so it never needs a float32 copy of itself.
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                for chunk in param.split(4096, dim=0):
-                    noise = torch.randn(chunk.shape, generator=gen, device=device)
-                    chunk.copy_(noise * 0.02)
 
 
 def _penalty_history(request: Request) -> list[int] | tuple[()]:

@@ -28,6 +28,10 @@ class RunnerOutput:
     # Request id -> logprobs of the prompt tokens this step's chunk predicted, continuing
     # where request.prompt_logprobs ends (requests with params.prompt_logprobs).
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # speculative_method="draft": seconds the draft model took (catch-up + proposals).
+    draft_time_s: float = 0.0
+    # Its forward passes: (new tokens per request, context per request, LM-head rows) each.
+    draft_passes: list[tuple[list[int], list[int], int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from engine.request import RequestMetrics
     from engine.telemetry.stats import StepStats
 
@@ -131,6 +133,15 @@ class EngineMetricsRegistry:
         self.spec_decode_num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens_total", "Number of draft tokens accepted."
         )
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts_total", "Number of spec decoding drafts."
+        )
+        self._accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*labels, "position"],
+            registry=self.registry,
+        )
 
     def observe_step(self, step: StepStats) -> None:
         """Queue gauges, KV usage and preemptions after one engine step."""
@@ -180,10 +191,20 @@ class EngineMetricsRegistry:
         self.prefix_cache_queries.inc(num_query_tokens)
         self.prefix_cache_hits.inc(num_hit_tokens)
 
-    def observe_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+    def observe_spec_decode(
+        self, num_draft_tokens: int, num_accepted_tokens: int, num_drafts: int = 0,
+        accepted_by_position: Sequence[int] = (),
+    ) -> None:  # fmt: skip
         """Draft tokens proposed by speculative decoding and how many the verifier accepted."""
         self.spec_decode_num_draft_tokens.inc(num_draft_tokens)
         self.spec_decode_num_accepted_tokens.inc(num_accepted_tokens)
+        if num_drafts:
+            self.spec_decode_num_drafts.inc(num_drafts)
+        for position, count in enumerate(accepted_by_position):
+            labels = self._accepted_per_pos.labels(
+                model_name=self._model_name, position=str(position)
+            )
+            labels.inc(count)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this engine's series (serve with content_type)."""

@@ -9,6 +9,7 @@ default, and LLM and EngineService pass `new_metrics_registry`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.request import RequestMetrics
@@ -47,7 +48,10 @@ class NullMetricsRegistry:
     def observe_prefix_cache(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         pass
 
-    def observe_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+    def observe_spec_decode(
+        self, num_draft_tokens: int, num_accepted_tokens: int, num_drafts: int = 0,
+        accepted_by_position: Sequence[int] = (),
+    ) -> None:  # fmt: skip
         pass
 
     def observe_step_failure(self) -> None:

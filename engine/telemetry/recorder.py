@@ -9,7 +9,8 @@ one (engine/telemetry/prom.py), else the engine keeps the null one. Pure Python,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,7 +29,10 @@ class MetricsSink(Protocol):
     def observe_step(self, step: StepStats) -> None: ...
     def observe_finished(self, metrics: RequestMetrics, finish_reason: str) -> None: ...
     def observe_prefix_cache(self, num_query_tokens: int, num_hit_tokens: int) -> None: ...
-    def observe_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None: ...
+    def observe_spec_decode(
+        self, num_draft_tokens: int, num_accepted_tokens: int, num_drafts: int = 0,
+        accepted_by_position: Sequence[int] = (),
+    ) -> None: ...  # fmt: skip
     def observe_step_failure(self) -> None: ...
 
 
@@ -52,8 +56,10 @@ class StepRecorder:
         *,
         step_history_len: int,
         request_history_len: int,
+        draft_shape: ModelShape | None = None,
     ) -> None:
         self.shape = shape
+        self.draft_shape = draft_shape  # speculative_method="draft": the draft model's
         self.scheduler = scheduler  # read only: queue lengths after each step
         self.block_manager = block_manager  # read only: block counts after each step
         self.metrics = metrics
@@ -66,6 +72,9 @@ class StepRecorder:
         # Speculative decoding: draft tokens verified / accepted.
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
+        self.num_spec_proposals_total = 0  # request-steps that verified drafts
+        self.num_draft_tokens_by_position: list[int] = []  # index i: drafts at position i
+        self.num_accepted_tokens_by_position: list[int] = []  # ... of those, accepted
         # Steps whose forward pass raised (their requests were failed; not in num_steps).
         self.num_step_failures_total = 0
 
@@ -87,20 +96,39 @@ class StepRecorder:
         sched: SchedulerOutput,
         sampled: Mapping[str, list[int]],
         end_time: float,
+        draft_time_s: float = 0.0,
+        execute_time_s: float = 0.0,
+        draft_passes: Sequence[tuple[list[int], list[int], int]] = (),
     ) -> StepStats:
-        """Record a finished step: its StepStats, and the prefix and draft totals."""
+        """Record a finished step: its StepStats, and the prefix and draft totals.
+        `draft_time_s` is the draft model's share of `execute_time_s` (the runner's)."""
         num_drafts = sum(s.num_draft_tokens for s in sched.scheduled)
         # Drafts accepted: each verifying request appended its accepted drafts plus one token.
-        num_accepted = sum(
-            max(0, len(sampled.get(s.request.request_id, ())) - 1)
+        accepted = [
+            (s.num_draft_tokens, max(0, len(sampled.get(s.request.request_id, ())) - 1))
             for s in sched.scheduled
             if s.num_draft_tokens
+        ]
+        num_accepted = sum(a for _, a in accepted)
+        by_position = self._count_by_position(accepted)
+        timing = (draft_time_s, execute_time_s - draft_time_s if num_drafts else 0.0)
+        stats = self._step_stats(
+            start, sched, end_time, num_drafts, num_accepted, len(accepted), timing
         )
-        stats = self._step_stats(start, sched, end_time, num_drafts, num_accepted)
+        if draft_passes and self.draft_shape is not None:
+            costs = [step_cost(self.draft_shape, *p) for p in draft_passes]
+            stats = dataclasses.replace(
+                stats,
+                draft_flops=sum(c.flops for c in costs),
+                draft_bytes_moved=sum(c.bytes_moved for c in costs),
+            )
         if num_drafts:
             self.num_draft_tokens_total += num_drafts
             self.num_accepted_tokens_total += num_accepted
-            self.metrics.observe_spec_decode(num_drafts, num_accepted)
+            self.num_spec_proposals_total += len(accepted)
+            self.metrics.observe_spec_decode(
+                num_drafts, num_accepted, num_drafts=len(accepted), accepted_by_position=by_position
+            )
         if sched.num_prefix_query_tokens:
             self.num_prefix_query_tokens_total += sched.num_prefix_query_tokens
             self.num_prefix_hit_tokens_total += sched.num_prefix_hit_tokens
@@ -111,6 +139,22 @@ class StepRecorder:
         self.step_history.append(stats)
         self.metrics.observe_step(stats)
         return stats
+
+    def _count_by_position(self, accepted: list[tuple[int, int]]) -> list[int]:
+        """Add (drafts, accepted) per verifying request to the per-position totals; returns
+        this step's accepted count per position. Draft i is accepted only if all before it
+        were, so a request with a accepted counts at positions 0 .. a - 1."""
+        width = max((n for n, _ in accepted), default=0)
+        for totals in (self.num_draft_tokens_by_position, self.num_accepted_tokens_by_position):
+            totals.extend([0] * (width - len(totals)))
+        step = [0] * width
+        for num_drafts, num_accepted in accepted:
+            for i in range(num_drafts):
+                self.num_draft_tokens_by_position[i] += 1
+            for i in range(min(num_accepted, num_drafts)):
+                self.num_accepted_tokens_by_position[i] += 1
+                step[i] += 1
+        return step
 
     def record_step_failure(self) -> None:
         """Count a step whose forward pass raised. It gets no StepStats: it computed nothing
@@ -124,7 +168,7 @@ class StepRecorder:
 
     def _step_stats(
         self, start: StepStart, sched: SchedulerOutput, end_time: float,
-        num_drafts: int, num_accepted: int,
+        num_drafts: int, num_accepted: int, num_proposals: int, timing: tuple[float, float],
     ) -> StepStats:  # fmt: skip
         bm = self.block_manager
         batch_size = len(sched.scheduled)
@@ -152,4 +196,7 @@ class StepRecorder:
             num_draft_tokens=num_drafts,
             num_accepted_tokens=num_accepted,
             num_block_copies=len(sched.block_copies),
+            draft_duration_s=timing[0],
+            verify_duration_s=timing[1],
+            num_spec_proposals=num_proposals,
         )

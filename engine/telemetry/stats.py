@@ -61,6 +61,15 @@ class StepStats:
     num_accepted_tokens: int = 0  # of those, accepted
     # Copy-on-write (parallel sampling): shared KV blocks copied before this step wrote them.
     num_block_copies: int = 0
+    # speculative_method="draft": seconds the draft model took (catch-up + k proposals), and
+    # the target's verifying forward + verification after it (0 in steps without drafts).
+    draft_duration_s: float = 0.0
+    verify_duration_s: float = 0.0
+    num_spec_proposals: int = 0  # requests that verified drafts this step
+    # The draft model's passes this step, estimated like flops / bytes_moved (which are the
+    # target's alone): the roofline plots them as points of their own.
+    draft_flops: float = 0.0
+    draft_bytes_moved: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +82,14 @@ class StepStats:
 
     @property
     def achieved_flops_per_s(self) -> float:
-        return self.flops / self.duration_s if self.duration_s > 0 else 0.0
+        """The target's FLOPs over the step's time without the draft model's share."""
+        seconds = self.target_duration_s
+        return self.flops / seconds if seconds > 0 else 0.0
+
+    @property
+    def target_duration_s(self) -> float:
+        """Seconds of the step not spent in the draft model (all of it without one)."""
+        return self.duration_s - self.draft_duration_s
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -192,6 +208,13 @@ class EngineStats:
     # Speculative decoding (zero when off): draft tokens verified, and accepted.
     num_draft_tokens_total: int = 0
     num_accepted_tokens_total: int = 0
+    # Request-steps that verified drafts (vLLM's spec_decode_num_drafts), and per draft
+    # position i (0 = the first draft token): drafts verified there / accepted there.
+    num_spec_proposals_total: int = 0
+    num_draft_tokens_by_position: tuple[int, ...] = ()
+    num_accepted_tokens_by_position: tuple[int, ...] = ()
+    # speculative_method="draft": bytes of the draft model's K/V tensors (same blocks).
+    draft_kv_cache_bytes: int = 0
     # Parallel sampling: copy-on-write copies of shared KV blocks since start-up.
     num_block_copies_total: int = 0
     # Element type of the K/V in the pool: "bfloat16", "float32", "int8", "float8_e4m3fn"
@@ -211,3 +234,21 @@ class EngineStats:
         """Fraction of verified draft tokens that were accepted (0 when none)."""
         drafts = self.num_draft_tokens_total
         return self.num_accepted_tokens_total / drafts if drafts else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Per draft position: the fraction of drafts verified there that were accepted."""
+        return [
+            accepted / drafts if drafts else 0.0
+            for drafts, accepted in zip(
+                self.num_draft_tokens_by_position, self.num_accepted_tokens_by_position,
+                strict=True,
+            )
+        ]  # fmt: skip
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying request got per step: accepted drafts + the target's own one
+        (vLLM's mean acceptance length; 0 when nothing was verified)."""
+        proposals = self.num_spec_proposals_total
+        return 1.0 + self.num_accepted_tokens_total / proposals if proposals else 0.0

@@ -26,24 +26,55 @@ def decade_ticks(lo: float, hi: float) -> list[float]:
     return [10.0**k for k in range(first, last + 1)]
 
 
+DRAFT_COLOR = "#059669"  # green: the draft model's passes (speculative_method="draft")
+
+
 def _point_hover(step: StepStats, fraction: float) -> str:
     return (
         f"step {step.step_index} ({step.kind})<br>batch {step.batch_size} requests: "
         f"{step.num_prefill_tokens} prefill + {step.num_decode_tokens} decode tokens"
         f"<br>FLOPs {fmt_si(step.flops)}<br>bytes {fmt_si(step.bytes_moved, 'B')}"
-        f"<br>time {step.duration_s * 1e3:.2f} ms"
+        f"<br>time {step.target_duration_s * 1e3:.2f} ms"
         f"<br>intensity {step.arithmetic_intensity:.3g} FLOP/B"
         f"<br>achieved {fmt_si(step.achieved_flops_per_s, 'FLOP/s')}"
         f"<br>{fraction:.1%} of the roof"
     )
 
 
+def _add_draft_points(
+    fig: go.Figure, ceilings: DeviceCeilings, dtype: str, steps: Sequence[StepStats]
+) -> None:
+    """speculative_method="draft": each step's draft-model passes as one point of their own
+    (catch-up + k proposals; their FLOPs and bytes over the draft's share of the step)."""
+    hover = []
+    for s in steps:
+        fraction = roof_fraction(
+            ceilings, dtype, s.draft_flops, s.draft_bytes_moved, s.draft_duration_s
+        )
+        hover.append(
+            f"step {s.step_index}: draft model<br>FLOPs {fmt_si(s.draft_flops)}<br>bytes "
+            f"{fmt_si(s.draft_bytes_moved, 'B')}<br>time {s.draft_duration_s * 1e3:.2f} ms"
+            f"<br>{fraction:.1%} of the roof"
+        )
+    fig.add_scatter(
+        x=[s.draft_flops / s.draft_bytes_moved for s in steps],
+        y=[s.draft_flops / s.draft_duration_s for s in steps],
+        mode="markers",
+        name="draft-model passes",
+        marker={"color": DRAFT_COLOR, "size": 7, "symbol": "diamond", "opacity": 0.7},
+        text=hover,
+        hovertemplate="%{text}<extra></extra>",
+    )
+
+
 def roofline_figure(
     ceilings: DeviceCeilings, dtype: str, steps: Sequence[StepStats], max_points: int = 600
 ) -> go.Figure:
-    steps = [s for s in steps if s.flops > 0 and s.bytes_moved > 0 and s.duration_s > 0]
+    steps = [s for s in steps if s.flops > 0 and s.bytes_moved > 0 and s.target_duration_s > 0]
     steps = steps[-max_points:]
+    drafts = [s for s in steps if s.draft_flops > 0 and s.draft_duration_s > 0]
     intensities = [s.arithmetic_intensity for s in steps]
+    intensities += [s.draft_flops / s.draft_bytes_moved for s in drafts]
     lo = min([0.1, *(i / 3 for i in intensities)])
     hi = max([1e4, *(i * 3 for i in intensities)])
     xs, ys = roofline_curve(ceilings, dtype, lo, hi)
@@ -63,7 +94,8 @@ def roofline_figure(
         if not chosen:
             continue
         fractions = [
-            roof_fraction(ceilings, dtype, s.flops, s.bytes_moved, s.duration_s) for s in chosen
+            roof_fraction(ceilings, dtype, s.flops, s.bytes_moved, s.target_duration_s)
+            for s in chosen
         ]
         fig.add_scatter(
             x=[s.arithmetic_intensity for s in chosen],
@@ -79,6 +111,8 @@ def roofline_figure(
             text=[_point_hover(s, f) for s, f in zip(chosen, fractions, strict=True)],
             hovertemplate="%{text}<extra></extra>",
         )
+    if drafts:
+        _add_draft_points(fig, ceilings, dtype, drafts)
     fig.add_vline(x=ridge, line={"dash": "dot", "color": "#6b7280"})
     # Right of the dotted line and under the flat roof, so the text crosses neither.
     fig.add_annotation(
@@ -94,6 +128,7 @@ def roofline_figure(
     )
     xs_all = [*xs, *intensities]
     ys_all = [*ys, *(s.achieved_flops_per_s for s in steps)]
+    ys_all += [s.draft_flops / s.draft_duration_s for s in drafts]
     x_ticks = decade_ticks(min(xs_all), max(xs_all))
     y_ticks = decade_ticks(min(ys_all), max(ys_all))
     fig.update_xaxes(

@@ -56,7 +56,7 @@ def summary_markdown(stats: EngineStats, num_used_blocks: int) -> str:
     return (
         f"**KV blocks used: {num_used_blocks} / {stats.num_kv_blocks}** ({pct:.1f} %, "
         f"{stats.block_size} tokens per block, pool {fmt_bytes(stats.kv_cache_bytes)}"
-        f"{kv_format_suffix(stats)}) · "
+        f"{kv_format_suffix(stats)}{draft_kv_suffix(stats)}) · "
         f"running **{stats.num_running}** · waiting **{stats.num_waiting}** · "
         f"steps {stats.num_steps_total} · preemptions {stats.num_preemptions_total} · "
         f"{prefix_cache_text(stats)}{spec_decode_text(stats)}{step}"
@@ -69,14 +69,28 @@ def kv_format_suffix(stats: EngineStats) -> str:
     return f" of {text}" if text else ""
 
 
+def draft_kv_suffix(stats: EngineStats) -> str:
+    """' + the draft model's K/V' (speculative_method="draft": it shares the blocks)."""
+    if not stats.draft_kv_cache_bytes:
+        return ""
+    return f", + {fmt_bytes(stats.draft_kv_cache_bytes)} of draft-model K/V in the same blocks"
+
+
 def spec_decode_text(stats: EngineStats) -> str:
-    """Draft tokens accepted so far ("" until a draft was verified, i.e. when it is off)."""
+    """Draft tokens accepted so far ("" until a draft was verified, i.e. when it is off), with
+    the mean accepted length and the acceptance at each draft position when known."""
     if not stats.num_draft_tokens_total:
         return ""
+    detail = ""
+    if stats.num_spec_proposals_total:
+        by_position = " / ".join(f"{100 * r:.0f}" for r in stats.acceptance_by_position)
+        detail = (
+            f", {stats.mean_accepted_length:.2f} tokens per verify, by position {by_position} %"
+        )
     return (
         f"speculative: {stats.num_accepted_tokens_total:,} of "
         f"{stats.num_draft_tokens_total:,} draft tokens accepted "
-        f"({100 * stats.draft_acceptance_rate:.0f} %) · "
+        f"({100 * stats.draft_acceptance_rate:.0f} %{detail}) · "
     )
 
 

@@ -81,7 +81,9 @@ def _side_form(name: str, values: dict) -> dict:
         label="Prompt sharing (n > 1: the samples share the prompt's blocks)",
     )
     parts["speculative_method"] = gr.Radio(
-        ["off", "ngram"], value=values["speculative_method"], label="Speculative decoding"
+        ["off", "ngram", "draft"],
+        value=values["speculative_method"],
+        label="Speculative decoding (draft: the model's own int8 copy proposes)",
     )
     parts["block_size"] = gr.Dropdown(
         list(BLOCK_SIZES), value=values["block_size"], label="Block size (tokens)"

@@ -1,0 +1,81 @@
+"""Build a LlamaForCausalLM from a ModelSource: meta-device construction, weights (a Hugging
+Face folder, an AutoAWQ checkpoint or random), then optional weight-only quantization.
+
+Shared by the target model (ModelRunner) and the speculative draft model (DraftModel), so
+both load any spec the loader takes in the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.runner.attention.base import AttentionBackend
+from engine.runner.model_loader import ModelSource, iter_safetensors
+from engine.runner.models.llama import LlamaForCausalLM
+from engine.runner.quant import QuantSummary, load_awq, quantize_model
+from engine.runner.quant.awq import check_awq_config
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How to store a model's weights: the EngineConfig fields that say it."""
+
+    quantization: str  # "none" | "int8" | "int4" | "awq"
+    group_size: int  # int4: input features per scale/zero pair
+    seed: int  # random:<preset> weights
+
+
+def build_model(
+    source: ModelSource,
+    max_model_len: int,
+    attn_backend: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    fmt: WeightFormat,
+    field: str = "quantization",
+) -> tuple[LlamaForCausalLM, QuantSummary | None]:
+    """The model in eval mode without grads, and its QuantSummary when quantized. `field`
+    names the config field a format error is about (the draft has its own)."""
+    # Built on the meta device, then materialized: no time spent on throw-away init.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(source.arch, max_model_len, attn_backend)
+    model = model.to_empty(device=device).to(dtype)
+    is_awq = bool(source.quant_config) and source.quant_config.get("quant_method") == "awq"
+    if fmt.quantization == "awq" or is_awq:
+        if fmt.quantization != "awq":
+            raise ValueError(
+                f"{field}: {source.name} is an AutoAWQ checkpoint; load it with quantization='awq'"
+            )
+        group_size = check_awq_config(source.quant_config, source.name)
+        summary = load_awq(model, iter_safetensors(source.weights_dir), group_size, dtype)
+        model.init_rope()
+        return model.eval().requires_grad_(False), summary
+    if source.weights_dir is None:
+        init_random_weights(model, seed=fmt.seed)
+    else:
+        model.load_hf_weights(iter_safetensors(source.weights_dir))
+    model.init_rope()
+    model = model.eval().requires_grad_(False)
+    summary = None
+    if fmt.quantization != "none":
+        summary = quantize_model(model, fmt.quantization, fmt.group_size, dtype)
+    return model, summary
+
+
+def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+    device = model.embed_tokens.weight.device
+    # Drawn on the model's device (an 8B model on a GPU would take minutes on the CPU), in
+    # row blocks so it never needs a float32 copy of itself.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                for chunk in param.split(4096, dim=0):
+                    noise = torch.randn(chunk.shape, generator=gen, device=device)
+                    chunk.copy_(noise * 0.02)
