@@ -54,7 +54,10 @@ FLAG_HELP: dict[str, str] = {
     "an AutoAWQ GEMM checkpoint folder (its LM head stays 16-bit)",
     "quantization_group_size": "int4: input features per scale/zero pair (must divide every "
     "layer's input size: SmolLM2's 576 takes 32 or 64)",
-    "attention_backend": "auto = Triton kernels on CUDA, the torch reference on CPU",
+    "attention_backend": (
+        "auto = Triton kernels on CUDA, the torch reference on CPU; cpu = the C++ paged "
+        "kernel (CPU, reads KV blocks in place)"
+    ),
     "enforce_eager": "turn CUDA graphs off",
     "num_threads": "CPU torch threads (default: all cores)",
     "step_history_len": "engine steps kept for the live charts",

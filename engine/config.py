@@ -16,7 +16,9 @@ KVLayout = Literal["paged", "contiguous"]
 # "fp8" = float8_e4m3fn with per-layer, per-KV-head K and V scales (engine/runner/attention/
 # kv_quant.py). Either halves the KV bytes of a 16-bit model.
 KVCacheDType = Literal["auto", "int8", "fp8"]
-AttentionBackend = Literal["auto", "triton", "torch"]
+# "cpu" = the C++ paged kernel reading KV blocks in place (the torch path, with a warning, when
+# no C++ compiler is present); "torch" = gather + batched matmuls, the reference path.
+AttentionBackend = Literal["auto", "triton", "torch", "cpu"]
 SpeculativeMethod = Literal["off", "ngram"]
 # Weight-only quantization of every linear layer (engine/runner/quant): int8 = per-output-channel
 # symmetric (W8A16), int4 = group-wise asymmetric round-to-nearest with zero points, awq = an

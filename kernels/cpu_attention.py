@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -60,14 +61,12 @@ def build_name() -> str:
 
 
 def _ensure_ninja_on_path() -> None:
-    """torch's JIT builds with ninja; the `ninja` wheel ships the binary outside PATH."""
+    """torch's JIT builds with ninja. The `ninja` wheel (a project dependency) installs its
+    script beside this interpreter, which is not on PATH when the venv is not activated."""
     if shutil.which("ninja"):
         return
-    try:
-        import ninja  # the PyPI wheel (a project dependency)
-    except ImportError:
-        return
-    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    scripts = str(Path(sys.executable).parent)
+    os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 @functools.cache

@@ -5,12 +5,14 @@ register_backend); the model runner only ever calls get_backend(name)."""
 from __future__ import annotations
 
 from engine.runner.attention.base import AttentionBackend
+from engine.runner.attention.cpu_backend import CpuBackend
 from engine.runner.attention.torch_backend import TorchBackend
 from engine.runner.attention.triton_backend import TritonBackend
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchBackend.name: TorchBackend,
     TritonBackend.name: TritonBackend,
+    CpuBackend.name: CpuBackend,
 }
 
 

@@ -109,6 +109,11 @@ class AttentionBackend(ABC):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_storage_dtype = storage_dtype(kv_cache_dtype, dtype)
 
+    @property
+    def description(self) -> str:
+        """What runs attention, for logs and the UI header (a fallback says so)."""
+        return self.name
+
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's K (and of its V) cache holding `num_blocks` blocks."""
