@@ -14,7 +14,9 @@ store excluded (every path stores the same way):
 The floor is the K/V bytes the step must read over the bandwidth measured here (a large
 tensor copy, read + write bytes, as engine/telemetry/ceilings.py measures it). Each path is
 timed `--repeats` times after a warm-up; min and median are reported (a shared machine's
-noise lands in the median). All outputs are checked against each other first.
+noise lands in the median; on a loaded machine 2-thread runs suffer most, as every parallel
+op waits for its slowest thread: --threads 1 is the steadier comparison). All outputs are
+checked against each other first.
 """
 
 from __future__ import annotations
@@ -51,23 +53,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the JSON here")
     return p.parse_args()
 
 
 def time_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Wall time, and this process's CPU time (all threads, spin-waits included): on a shared
+    machine a 1-thread run's CPU time leaves out the time other processes held the core."""
     fn()  # warm-up (workspace growth, oneDNN primitive creation)
-    samples = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return {"min_ms": min(samples), "median_ms": statistics.median(samples)}
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return {
+        "min_ms": min(wall), "median_ms": statistics.median(wall),
+        "cpu_min_ms": min(cpu), "cpu_median_ms": statistics.median(cpu),
+    }  # fmt: skip
 
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the kernel's OpenMP team follows it too
     rng = random.Random(args.seed)
     dtype, bs, hkv, dim = DTYPES[args.dtype], args.block_size, args.num_kv_heads, args.head_dim
     lo, hi = max(1, args.context - args.spread), args.context + args.spread
