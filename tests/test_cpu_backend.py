@@ -27,7 +27,7 @@ def _needs_compiler():
         pytest.skip(f"CPU kernel unavailable: {why}")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 def test_cpu_backend_matches_torch_backend(kv_cache_dtype):
     torch_out = LLM(attention_backend="torch", kv_cache_dtype=kv_cache_dtype, **COMMON).generate(
         PROMPTS, PARAMS
