@@ -55,8 +55,9 @@ FLAG_HELP: dict[str, str] = {
     "quantization_group_size": "int4: input features per scale/zero pair (must divide every "
     "layer's input size: SmolLM2's 576 takes 32 or 64)",
     "attention_backend": (
-        "auto = Triton kernels on CUDA, the torch reference on CPU; cpu = the C++ paged "
-        "kernel (CPU, reads KV blocks in place)"
+        "auto = Triton kernels on CUDA, cpu on CPU; cpu = the C++ paged kernel (reads KV "
+        "blocks in place; the torch path, with a warning, without a C++ compiler); torch = "
+        "the reference path (gather + batched matmuls)"
     ),
     "enforce_eager": "turn CUDA graphs off",
     "num_threads": "CPU torch threads (default: all cores)",

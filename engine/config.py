@@ -17,7 +17,8 @@ KVLayout = Literal["paged", "contiguous"]
 # kv_quant.py). Either halves the KV bytes of a 16-bit model.
 KVCacheDType = Literal["auto", "int8", "fp8"]
 # "cpu" = the C++ paged kernel reading KV blocks in place (the torch path, with a warning, when
-# no C++ compiler is present); "torch" = gather + batched matmuls, the reference path.
+# no C++ compiler is present; what "auto" picks on CPU); "torch" = gather + batched matmuls,
+# the reference path.
 AttentionBackend = Literal["auto", "triton", "torch", "cpu"]
 SpeculativeMethod = Literal["off", "ngram"]
 # Weight-only quantization of every linear layer (engine/runner/quant): int8 = per-output-channel

@@ -28,5 +28,6 @@ def get_backend(name: str) -> type[AttentionBackend]:
 
 
 def default_backend_name(device_type: str) -> str:
-    """What attention_backend="auto" means: the Triton kernels on CUDA, torch elsewhere."""
-    return "triton" if device_type == "cuda" else "torch"
+    """What attention_backend="auto" means: the Triton kernels on CUDA; on CPU the C++ paged
+    kernel (which runs the torch path, and says so, where it cannot be built)."""
+    return "triton" if device_type == "cuda" else "cpu"
