@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test test-fast screenshots setup setup-dev browser lint format bench bench-batch1 bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui quantize soak gpu-check clean
+.PHONY: run test test-fast screenshots setup setup-dev browser compiler lint format bench bench-batch1 bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui quantize soak gpu-check clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -26,7 +26,7 @@ test-fast: setup-dev
 screenshots: setup-dev browser
 	UPDATE_SCREENSHOTS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/test_browser.py $(ARGS)
 
-setup: $(STAMP)
+setup: $(STAMP) compiler
 
 setup-dev: $(DEV_STAMP)
 
@@ -59,6 +59,19 @@ browser:
 			apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; \
 		else \
 			echo "chromium missing: run 'sudo apt-get install chromium' to enable the browser tests"; \
+		fi; \
+	fi
+
+# attention_backend="cpu" compiles its C++ kernel at first use (kernels/cpu_attention.py).
+# g++ is installed when missing and we are root; otherwise that backend falls back to the
+# torch path with a warning.
+compiler:
+	@if ! command -v g++ >/dev/null; then \
+		if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+			echo "installing g++ for the CPU attention kernel"; \
+			apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++ >/dev/null; \
+		else \
+			echo "g++ missing: run 'sudo apt-get install g++' to build the CPU attention kernel"; \
 		fi; \
 	fi
 

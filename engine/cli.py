@@ -62,7 +62,11 @@ FLAG_HELP: dict[str, str] = {
     "an AutoAWQ GEMM checkpoint folder (its LM head stays 16-bit)",
     "quantization_group_size": "int4: input features per scale/zero pair (must divide every "
     "layer's input size: SmolLM2's 576 takes 32 or 64)",
-    "attention_backend": "auto = Triton kernels on CUDA, the torch reference on CPU",
+    "attention_backend": (
+        "auto = Triton kernels on CUDA, cpu on CPU; cpu = the C++ paged kernel (reads KV "
+        "blocks in place; the torch path, with a warning, without a C++ compiler); torch = "
+        "the reference path (gather + batched matmuls)"
+    ),
     "enforce_eager": "turn CUDA graphs off",
     "prepack_weights": "CPU, bfloat16: reorder linear weights for oneDNN once at load instead "
     "of on every matmul (bit-identical outputs); --no-prepack-weights for the before",

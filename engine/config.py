@@ -19,7 +19,10 @@ KVCacheDType = Literal["auto", "int8", "fp8"]
 # fp8's calculated scales: one K and one V scale per layer ("tensor", as vLLM's default) or one
 # per layer and KV head ("head").
 KVScaleGranularity = Literal["tensor", "head"]
-AttentionBackend = Literal["auto", "triton", "torch"]
+# "cpu" = the C++ paged kernel reading KV blocks in place (the torch path, with a warning, when
+# no C++ compiler is present; what "auto" picks on CPU); "torch" = gather + batched matmuls,
+# the reference path.
+AttentionBackend = Literal["auto", "triton", "torch", "cpu"]
 # "ngram": prompt-lookup drafts; "draft": a draft model's proposals (engine/runner/draft_model.py).
 SpeculativeMethod = Literal["off", "ngram", "draft"]
 # The draft model's weights (speculative_method="draft"): a 4-bit copy of the target is a draft

@@ -25,6 +25,8 @@ class EngineInfo:
     weight_bytes: int  # bytes of the weights as stored (quantized: values + scales + zeros)
     # K/V element type in the pool ("bfloat16", "int8", "float8_e4m3fn"; EngineStats').
     kv_cache_dtype: str = ""
+    # What runs attention (EngineStats.attention_backend): a fallback says so in the header.
+    attention_backend: str = ""
 
 
 def engine_info(service: Any) -> EngineInfo:
@@ -40,6 +42,7 @@ def engine_info(service: Any) -> EngineInfo:
         kv_cache_bytes=stats.kv_cache_bytes,
         weight_bytes=service.weight_bytes,
         kv_cache_dtype=stats.kv_cache_dtype,
+        attention_backend=stats.attention_backend,
     )
 
 
@@ -117,7 +120,7 @@ def describe(info: EngineInfo) -> str:
     return (
         f"**{info.model_name}**, {weights_text(c.model, info.dtype, c.quantization)} · "
         f"{weight_format_text(c, info.dtype)}: {info.weight_bytes / 1e6:,.1f} MB · "
-        f"on {info.device} · KV pool "
+        f"on {info.device}{_attention(info)} · KV pool "
         f"{info.num_kv_blocks} blocks x {c.block_size} tokens, "
         f"{info.kv_cache_bytes / 2**20:,.1f} MiB of {kv_format(info.kv_cache_dtype) or 'K/V'}"
         f"{kv_scales_text(c)} "
@@ -126,6 +129,10 @@ def describe(info: EngineInfo) -> str:
         f"max_num_batched_tokens {c.max_num_batched_tokens}, max_model_len "
         f"{info.max_model_len}"
     )
+
+
+def _attention(info: EngineInfo) -> str:
+    return f", attention {info.attention_backend}" if info.attention_backend else ""
 
 
 def _speculative(config: EngineConfig) -> str:

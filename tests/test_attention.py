@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.runner.attention.base import AttentionInputs
+from engine.runner.attention.cpu_backend import CpuBackend
 from engine.runner.attention.torch_backend import (
     DecodeGroup,
     TorchAttentionMetadata,
@@ -124,7 +125,7 @@ def test_split_by_length_cuts_padding_only_when_it_pays():
     assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
 
 
-@pytest.mark.parametrize("backend_cls", [TorchBackend, TritonBackend])
+@pytest.mark.parametrize("backend_cls", [TorchBackend, TritonBackend, CpuBackend])
 def test_backends_through_the_interface_match_the_reference(backend_cls):
     """A step as the runner hands it over (decodes first, then a whole prompt and a chunk):
     each backend lays out its own cache, builds its own metadata and matches the reference."""

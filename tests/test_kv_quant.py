@@ -92,7 +92,7 @@ def test_greedy_agreement_with_16bit_kv(make_llm, llm_f32):
         assert tokens_before_divergence(reference, tokens) >= bar * num_tokens, kv_cache_dtype
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_prefix_cache_hit_reads_the_blocks_scales(backend):
     """The same prompt twice with prefix caching over an int8 pool: the second run reuses the
     first's blocks (and so their scales, stored by slot) and must give the same tokens. Every

@@ -12,7 +12,7 @@ from engine.runner import attention
 from engine.runner.attention.torch_backend import TorchBackend
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_profile_forward_leaves_the_cache_alone(backend):
     llm = LLM(model="random:tiny", dtype="float32", num_kv_blocks=8, max_model_len=128,
               attention_backend=backend)  # fmt: skip

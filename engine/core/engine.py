@@ -405,6 +405,7 @@ class LLMEngine:
             draft_kv_cache_bytes=self.runner.draft_kv_cache_bytes,
             num_block_copies_total=self.block_manager.num_block_copies_total,
             kv_cache_dtype=self.runner.kv_cache_dtype_name,
+            attention_backend=self.runner.attn_backend.description,
             num_steps_total=recorder.num_steps,
             num_step_failures_total=recorder.num_step_failures_total,
             steps=recorder.step_history.snapshot(),

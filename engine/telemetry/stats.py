@@ -220,6 +220,9 @@ class EngineStats:
     # Element type of the K/V in the pool: "bfloat16", "float32", "int8", "float8_e4m3fn"
     # (EngineConfig.kv_cache_dtype resolved); "" where not known (a remote server).
     kv_cache_dtype: str = ""
+    # What runs attention: "torch", "cpu (C++ paged kernel, ...)", or a fallback saying why
+    # (AttentionBackend.description); "" where not known (a remote server).
+    attention_backend: str = ""
     steps: list[StepStats] = field(default_factory=list)  # most recent last
     finished: list[FinishedRequest] = field(default_factory=list)  # most recent last
 

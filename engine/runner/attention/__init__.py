@@ -5,12 +5,14 @@ register_backend); the model runner only ever calls get_backend(name)."""
 from __future__ import annotations
 
 from engine.runner.attention.base import AttentionBackend
+from engine.runner.attention.cpu_backend import CpuBackend
 from engine.runner.attention.torch_backend import TorchBackend
 from engine.runner.attention.triton_backend import TritonBackend
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchBackend.name: TorchBackend,
     TritonBackend.name: TritonBackend,
+    CpuBackend.name: CpuBackend,
 }
 
 
@@ -26,5 +28,6 @@ def get_backend(name: str) -> type[AttentionBackend]:
 
 
 def default_backend_name(device_type: str) -> str:
-    """What attention_backend="auto" means: the Triton kernels on CUDA, torch elsewhere."""
-    return "triton" if device_type == "cuda" else "torch"
+    """What attention_backend="auto" means: the Triton kernels on CUDA; on CPU the C++ paged
+    kernel (which runs the torch path, and says so, where it cannot be built)."""
+    return "triton" if device_type == "cuda" else "cpu"

@@ -128,6 +128,11 @@ class AttentionBackend(ABC):
         self.calculate_kv_scales = calculate_kv_scales
         self.kv_scales_per_head = kv_scale_granularity == "head"
 
+    @property
+    def description(self) -> str:
+        """What runs attention, for logs and the UI header (a fallback says so)."""
+        return self.name
+
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's K (and of its V) cache holding `num_blocks` blocks."""

@@ -1,0 +1,187 @@
+"""One layer's decode attention on CPU: the torch backend's paths vs the in-place C++ kernel.
+
+    python -m benchmarks.cpu_attention                      # batch 64 x ~400 tokens, bf16
+    python -m benchmarks.cpu_attention --batch 1 --context 2048 --json results/cpu_attn.json
+
+The paged cache is the torch backend's head-major one ([Hkv, blocks, 16, D], shuffled blocks),
+with SmolLM2's shape by default (9 query heads, 3 KV heads, head_dim 64). Timed, per layer,
+store excluded (every path stores the same way):
+- gather: the torch backend copying each request's blocks into its workspace (index_select);
+- gather_bmm: the torch backend's decode path (gather, then two batched matmuls);
+- gather_sdpa: the same gather, then F.scaled_dot_product_attention(enable_gqa=True);
+- cpu_kernel: kernels.cpu_attention reading the blocks in place (what attention_backend="cpu"
+  runs).
+The floor is the K/V bytes the step must read over the bandwidth measured here (a large
+tensor copy, read + write bytes, as engine/telemetry/ceilings.py measures it). Each path is
+timed `--repeats` times after a warm-up; min and median are reported (a shared machine's
+noise lands in the median; on a loaded machine 2-thread runs suffer most, as every parallel
+op waits for its slowest thread: --threads 1 is the steadier comparison). All outputs are
+checked against each other first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import emit
+from engine.core.block_manager import cdiv
+from engine.runner.attention.base import AttentionInputs
+from engine.runner.attention.kv_quant import LayerKVCache
+from engine.runner.attention.torch_backend import TorchBackend, _gather, decode_attention
+from engine.telemetry.ceilings import measure_bandwidth
+from kernels.cpu_attention import load_extension, paged_attention_decode_cpu
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=64, help="decode requests")
+    p.add_argument("--context", type=int, default=400, help="mean context length, tokens")
+    p.add_argument("--spread", type=int, default=48, help="contexts uniform in mean +- spread")
+    p.add_argument("--num-heads", type=int, default=9)
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="also write the JSON here")
+    return p.parse_args()
+
+
+def time_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Wall time, and this process's CPU time (all threads, spin-waits included): on a shared
+    machine a 1-thread run's CPU time leaves out the time other processes held the core."""
+    fn()  # warm-up (workspace growth, oneDNN primitive creation)
+    wall, cpu = [], []
+    for _ in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return {
+        "min_ms": min(wall), "median_ms": statistics.median(wall),
+        "cpu_min_ms": min(cpu), "cpu_median_ms": statistics.median(cpu),
+    }  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the kernel's OpenMP team follows it too
+    rng = random.Random(args.seed)
+    dtype, bs, hkv, dim = DTYPES[args.dtype], args.block_size, args.num_kv_heads, args.head_dim
+    lo, hi = max(1, args.context - args.spread), args.context + args.spread
+    seq_lens = sorted(rng.randint(lo, hi) for _ in range(args.batch))  # the runner sorts too
+    num_blocks = sum(cdiv(n, bs) for n in seq_lens) + 8
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, used = [], 0
+    for n in seq_lens:
+        tables.append(ids[used : used + cdiv(n, bs)])
+        used += cdiv(n, bs)
+
+    backend = TorchBackend(hkv, dim, bs, dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = backend.kv_cache_shape(num_blocks)  # [Hkv, blocks, bs, D]
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(args.batch, args.num_heads, dim, generator=gen).to(dtype)
+    scale = dim**-0.5
+    inputs = AttentionInputs(
+        slot_mapping=torch.zeros(0, dtype=torch.long), decode_seq_lens=seq_lens,
+        decode_block_tables=tables, prefill_q_lens=[], prefill_ctx_lens=[],
+        prefill_block_tables=[],
+    )  # fmt: skip
+    meta = backend.build_metadata(inputs, [LayerKVCache(k_cache, v_cache)])
+
+    def gather():
+        for g in meta.decode_groups:
+            _gather(LayerKVCache(k_cache, v_cache), g.gather_index, meta.workspace)
+
+    def gather_then(attend):
+        out = torch.empty_like(query)
+        for g in meta.decode_groups:
+            k, v = _gather(LayerKVCache(k_cache, v_cache), g.gather_index, meta.workspace)
+            n = g.end - g.start
+            k, v = k.view(hkv, n, -1, dim), v.view(hkv, n, -1, dim)
+            out[g.start : g.end] = attend(query[g.start : g.end], k, v, g.ctx_mask)
+        return out
+
+    def sdpa(q, k, v, mask):
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        return o.squeeze(2)
+
+    load_extension()  # built (or loaded from the cache) before any timing
+    kernel_tables = torch.tensor(
+        [t + [0] * (cdiv(hi, bs) - len(t)) for t in tables], dtype=torch.int32
+    )
+    kernel_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    k_view, v_view = k_cache.permute(1, 2, 0, 3), v_cache.permute(1, 2, 0, 3)
+    kernel_out = torch.empty_like(query)
+    starts = torch.arange(args.batch + 1, dtype=torch.int32)
+
+    def kernel():
+        return paged_attention_decode_cpu(
+            query, k_view, v_view, kernel_tables, kernel_lens, scale, out=kernel_out,
+            query_start_loc=starts,
+        )  # fmt: skip
+
+    paths = {
+        "gather_bmm": lambda: gather_then(lambda q, k, v, m: decode_attention(q, k, v, m, scale)),
+        "gather_sdpa": lambda: gather_then(sdpa),
+        "cpu_kernel": kernel,
+    }
+    outs = {name: fn().float() for name, fn in paths.items()}
+    ref = outs["gather_sdpa"]
+    agreement = {n: ((o - ref).norm() / ref.norm()).item() for n, o in outs.items()}
+
+    results = {"gather": time_ms(gather, args.repeats)}
+    results |= {name: time_ms(fn, args.repeats) for name, fn in paths.items()}
+    bandwidth = measure_bandwidth("cpu")
+    kv_bytes = 2 * sum(seq_lens) * hkv * dim * k_cache.element_size()
+    floor_ms = kv_bytes / bandwidth * 1e3
+    emit(
+        {
+            "benchmark": "cpu_attention",
+            "shape": {
+                "batch": args.batch,
+                "context_tokens_mean": statistics.mean(seq_lens),
+                "context_tokens_min": seq_lens[0],
+                "context_tokens_max": seq_lens[-1],
+                "num_heads": args.num_heads,
+                "num_kv_heads": hkv,
+                "head_dim": dim,
+                "block_size": bs,
+                "dtype": args.dtype,
+            },
+            "threads": torch.get_num_threads(),
+            "decode_groups": len(meta.decode_groups),
+            "per_layer": results,
+            "kv_bytes": kv_bytes,
+            "bandwidth_bytes_per_s": bandwidth,
+            "floor_ms": floor_ms,
+            "cpu_kernel_over_floor": results["cpu_kernel"]["median_ms"] / floor_ms,
+            "speedup_vs_gather_bmm": results["gather_bmm"]["median_ms"]
+            / results["cpu_kernel"]["median_ms"],
+            "relative_error_vs_gather_sdpa": agreement,
+        },
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

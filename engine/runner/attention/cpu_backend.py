@@ -1,0 +1,111 @@
+"""The CPU attention backend: the C++ paged kernel (kernels/cpu_attention.py) reads each
+request's K/V blocks in place, with no gather copy; decodes and prefills (whole prompts,
+chunks, prefix hits, draft verification) go to one kernel call per layer.
+
+Cache layout and store are the torch backend's (head-major [Hkv, blocks, bs, D], store_kv):
+the kernel reads it through a [blocks, bs, Hkv, D] view. When the kernel cannot be built (no
+C++ compiler), the backend says why (`fallback_reason`, a log warning, the UI header) and runs
+the torch backend's path instead, so attention_backend="cpu" never stops an engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.block_manager import cdiv
+from engine.runner.attention.base import AttentionInputs, pad_block_tables
+from engine.runner.attention.kv_quant import LayerKVCache
+from engine.runner.attention.torch_backend import (
+    TorchAttentionMetadata,
+    TorchBackend,
+    store_kv,
+    store_rows,
+    torch_attention,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CpuAttentionMetadata(TorchAttentionMetadata):
+    """Every request of the step in one kernel call: decodes (one query each), then prefills."""
+
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32: context after this step
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int32, from 0
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+    kv_cache_dtypes = ("auto", "int8", "fp8")  # the kernel dequantizes on load
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fallback_reason: str | None = None  # why the torch path runs instead, if it does
+        if self.device.type != "cpu":
+            self.fallback_reason = f"the C++ kernel runs on CPU tensors, not {self.device.type}"
+        else:
+            # Imported here: `kernels` imports Triton, which the torch path must not need.
+            from kernels.cpu_attention import cpu_kernel_status
+
+            self.fallback_reason = cpu_kernel_status()  # builds once per machine (~1 min)
+        if self.fallback_reason:
+            log.warning("attention_backend='cpu' runs the torch path: %s", self.fallback_reason)
+
+    @property
+    def description(self) -> str:
+        if self.fallback_reason:
+            return f"torch (cpu kernel unavailable: {self.fallback_reason})"
+        return "cpu (C++ paged kernel, reads KV blocks in place)"
+
+    def build_metadata(
+        self, inputs: AttentionInputs, kv_caches: list[LayerKVCache]
+    ) -> TorchAttentionMetadata:
+        if self.fallback_reason:
+            return super().build_metadata(inputs, kv_caches)
+        num_blocks = kv_caches[0][0].shape[1]  # head-major [Hkv, blocks, bs, D]
+        seq_lens = inputs.decode_seq_lens + inputs.prefill_ctx_lens
+        q_lens = [1] * len(inputs.decode_seq_lens) + inputs.prefill_q_lens
+        tables = inputs.decode_block_tables + inputs.prefill_block_tables
+        width = cdiv(max(seq_lens), self.block_size) if seq_lens else 0
+        dev = self.device
+        return CpuAttentionMetadata(
+            slot_mapping=inputs.slot_mapping,
+            num_decode_tokens=len(inputs.decode_seq_lens),
+            prefill_q_lens=inputs.prefill_q_lens,
+            prefill_ctx_lens=inputs.prefill_ctx_lens,
+            store_index=store_rows(
+                inputs.slot_mapping, self.num_kv_heads, num_blocks * self.block_size
+            ),
+            block_tables=pad_block_tables(tables, width, dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(
+                [0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev
+            ),
+        )
+
+    def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
+        if not isinstance(meta, CpuAttentionMetadata):  # the fallback's metadata
+            return torch_attention(q, k, v, kv_cache, meta, scale)
+        cache = LayerKVCache(*kv_cache)
+        store_kv(cache, k, v, meta.store_index)
+        out = torch.empty_like(q)
+        if meta.seq_lens.numel() == 0:
+            return out
+        # Head-major [Hkv, blocks, bs, ...] seen as the kernel's [blocks, bs, Hkv, ...].
+        int8_scales = cache.key_scale is not None and cache.key_scale.dim() == 3
+        k_scale, v_scale = (
+            (s.permute(1, 2, 0) if int8_scales else s)
+            for s in (cache.key_scale, cache.value_scale)
+        )  # fmt: skip
+        from kernels.cpu_attention import paged_attention_prefill_cpu
+
+        return paged_attention_prefill_cpu(
+            q, cache.key.permute(1, 2, 0, 3), cache.value.permute(1, 2, 0, 3),
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out=out,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip

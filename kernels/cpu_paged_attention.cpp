@@ -1,0 +1,377 @@
+// Paged attention on CPU that reads K/V blocks in place through the block table (no gather
+// copy). One entry point serves decode (one query token per sequence) and prefill / chunked
+// prefill (several query tokens per sequence, causal over the cached context).
+//
+// Work item = (sequence, KV head, chunk of up to QUERY_CHUNK query tokens). Its rows are the
+// chunk's tokens x the KV head's G query heads (GQA), so each K/V block is loaded and converted
+// to float32 once per item and used by all G x chunk rows. Per block, an online softmax in
+// float32 per row r (m = running max, l = running sum, acc = unnormalized output):
+//     m' = max(m, max_t s_t),  c = exp(m - m'),  l' = c l + sum_t exp(s_t - m'),
+//     acc' = c acc + sum_t exp(s_t - m') v_t,      out = acc / l.
+// Query token i of a sequence with context L and q_len new tokens sits at position
+// L - q_len + i and sees keys [0, L - q_len + i]; positions >= L are never read (an unowned
+// slot may hold anything, NaN included).
+//
+// Cache views: logical [num_blocks, block_size, num_kv_heads, head_dim] with any strides but a
+// contiguous last dim (the torch backend's head-major cache is passed as a permuted view).
+
+#include <torch/extension.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// GCC/Clang vector extensions: 16 floats, lowered to one zmm, two ymm or four xmm registers
+// by -march=native. (Plain loops with 16 accumulators were left scalar by GCC 12.)
+constexpr int LANES = 16;  // the wrapper requires head_dim % 16 == 0
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+template <typename V>
+inline V load_vec(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
+  return v;
+}
+inline void store_vec(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(f32x16 x) {
+  f32x8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+constexpr int QUERY_CHUNK = 16;  // query tokens per work item (prefill); decode has 1
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// bfloat16 is the top half of a float32: widen by shifting (vectorizes, unlike a call).
+inline float to_float(c10::BFloat16 x) { return bits_to_float(uint32_t(x.x) << 16); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, c10::BFloat16* dst) { *dst = c10::BFloat16(x); }  // RNE
+inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }
+
+// All 256 float8_e4m3fn values as float32: a table lookup beats the bit manipulation.
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) {
+      t[i] = static_cast<float>(c10::Float8_e4m3fn(uint8_t(i), c10::Float8_e4m3fn::from_bits()));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// One cache row (head_dim elements) -> float32, times `scale` (int8's per-token scale,
+// fp8's per-head one, 1 otherwise: exact for float32).
+template <typename C>
+inline void load_row(const C* src, int n, float scale, float* dst) {
+  for (int d = 0; d < n; ++d) dst[d] = to_float(src[d]) * scale;
+}
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, int n, float scale, float* dst) {
+  for (int d = 0; d < n; d += LANES) {  // bfloat16 -> float32: the bits shifted up by 16
+    u32x16 bits = __builtin_convertvector(load_vec<u16x16>(src + d), u32x16) << 16;
+    f32x16 x;
+    std::memcpy(&x, &bits, sizeof x);
+    store_vec(dst + d, x * scale);
+  }
+}
+template <>
+inline void load_row<float>(const float* src, int n, float scale, float* dst) {
+  for (int d = 0; d < n; d += LANES) store_vec(dst + d, load_vec<f32x16>(src + d) * scale);
+}
+template <>
+inline void load_row<int8_t>(const int8_t* src, int n, float scale, float* dst) {
+  for (int d = 0; d < n; d += LANES) {
+    store_vec(dst + d, __builtin_convertvector(load_vec<i8x16>(src + d), f32x16) * scale);
+  }
+}
+template <>
+inline void load_row<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, int n, float scale,
+                                         float* dst) {
+  const float* table = fp8_table();
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src);
+  for (int d = 0; d < n; ++d) dst[d] = table[bytes[d]] * scale;
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  f32x16 acc = load_vec<f32x16>(a) * load_vec<f32x16>(b);
+  for (int d = LANES; d < n; d += LANES) acc += load_vec<f32x16>(a + d) * load_vec<f32x16>(b + d);
+  return hsum(acc);
+}
+
+// exp(x) for x <= 0, 16 lanes at once (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6
+// polynomial, 2^n through the exponent bits; ~1 ulp). std::exp is a scalar call: it was a
+// third of a decode step. Below -87 it returns ~1e-38, not 0: next to the row's max term (1)
+// that changes nothing. n is rounded with the 1.5 * 2^23 trick (plain arithmetic, vectorizes).
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 lowest = f32x16{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  const float round_magic = 12582912.0f;
+  const f32x16 n = (x * 1.44269504088896341f + round_magic) - round_magic;
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 two_n;
+  std::memcpy(&two_n, &exponent, sizeof two_n);
+  return p * two_n;
+}
+
+inline float exp_nonpositive(float x) {
+  return exp_nonpositive(f32x16{} + x)[0];
+}
+
+struct CacheView {
+  const void* data;
+  int64_t block_stride, token_stride, head_stride;  // elements
+};
+
+struct ScaleView {  // int8: per (block, token, head); fp8: per head; none: nullptr
+  const float* per_head = nullptr;
+  const c10::Half* per_token = nullptr;
+  int64_t block_stride = 0, token_stride = 0, head_stride = 0;
+
+  float at(int64_t block, int64_t token, int64_t head) const {
+    if (per_token) {
+      return static_cast<float>(
+          per_token[block * block_stride + token * token_stride + head * head_stride]);
+    }
+    return per_head ? per_head[head] : 1.0f;
+  }
+};
+
+struct Problem {
+  CacheView k, v;
+  ScaleView k_scale, v_scale;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
+  int num_kv_heads, group, head_dim, block_size;
+  float scale;
+};
+
+inline int padded(int n) { return (n + LANES - 1) / LANES * LANES; }
+
+struct WorkItem {
+  int seq, first_query, num_queries;
+};
+
+// Per-thread scratch, reused across items (no allocation in the hot loop).
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores, k_block, v_block;
+  void size_for(int rows, int block_size, int head_dim) {
+    q.resize(size_t(rows) * head_dim);
+    acc.resize(size_t(rows) * head_dim);
+    m.resize(rows);
+    l.resize(rows);
+    scores.resize(size_t(rows) * padded(block_size));
+    k_block.resize(size_t(block_size) * head_dim);
+    v_block.resize(size_t(block_size) * head_dim);
+  }
+};
+
+template <typename Q, typename C>
+void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* query, Q* out,
+                 Scratch& s) {
+  const int D = p.head_dim, G = p.group, bs = p.block_size;
+  const int rows = item.num_queries * G;  // row = query token i * G + head g
+  const int ctx = p.seq_lens[item.seq];
+  const int q_len = p.query_start_loc[item.seq + 1] - p.query_start_loc[item.seq];
+  const int first_pos = ctx - q_len + item.first_query;  // position of the item's first query
+  const int last_pos = first_pos + item.num_queries - 1;
+  const int64_t token0 = p.query_start_loc[item.seq] + item.first_query;
+  const int32_t* table = p.block_tables + int64_t(item.seq) * p.table_stride;
+
+  // Queries pre-multiplied by the softmax scale.
+  for (int i = 0; i < item.num_queries; ++i) {
+    for (int g = 0; g < G; ++g) {
+      const Q* src = query + (token0 + i) * p.q_token_stride +
+                     int64_t(kv_head * G + g) * p.q_head_stride;
+      load_row(src, D, p.scale, &s.q[size_t(i * G + g) * D]);
+    }
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + size_t(rows) * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+
+  const int num_keys = std::min(ctx, last_pos + 1);  // keys any row of the item sees
+  for (int start = 0; start < num_keys; start += bs) {
+    const int64_t block = table[start / bs];
+    const int n = std::min(bs, num_keys - start);
+    const C* k_base = static_cast<const C*>(p.k.data) + block * p.k.block_stride +
+                      int64_t(kv_head) * p.k.head_stride;
+    const C* v_base = static_cast<const C*>(p.v.data) + block * p.v.block_stride +
+                      int64_t(kv_head) * p.v.head_stride;
+    for (int t = 0; t < n; ++t) {
+      load_row(k_base + t * p.k.token_stride, D, p.k_scale.at(block, t, kv_head),
+               &s.k_block[size_t(t) * D]);
+      load_row(v_base + t * p.v.token_stride, D, p.v_scale.at(block, t, kv_head),
+               &s.v_block[size_t(t) * D]);
+    }
+    for (int r = 0; r < rows; ++r) {
+      // Keys of this block row r may see: positions <= its own.
+      const int visible = std::min(n, first_pos + r / G - start + 1);
+      if (visible <= 0) continue;
+      float* sc = &s.scores[size_t(r) * padded(bs)];
+      const float* qr = &s.q[size_t(r) * D];
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int t = 0; t < visible; ++t) {
+        sc[t] = dot(qr, &s.k_block[size_t(t) * D], D);
+        block_max = std::max(block_max, sc[t]);
+      }
+      const float m_new = std::max(s.m[r], block_max);
+      const float correction = exp_nonpositive(s.m[r] - m_new);  // m = -inf: 0
+      for (int t = 0; t < visible; t += LANES) {
+        store_vec(sc + t, exp_nonpositive(load_vec<f32x16>(sc + t) - m_new));
+      }
+      for (int t = visible; t < padded(visible); ++t) sc[t] = 0.f;  // lanes past the keys
+      f32x16 sums{};
+      for (int t = 0; t < visible; t += LANES) sums += load_vec<f32x16>(sc + t);
+      const float sum = hsum(sums);
+      s.l[r] = s.l[r] * correction + sum;
+      s.m[r] = m_new;
+      float* acc = &s.acc[size_t(r) * D];
+      for (int d = 0; d < D; d += LANES) {  // 16 dims at a time, kept in a register over t
+        f32x16 a = load_vec<f32x16>(acc + d) * correction;
+        for (int t = 0; t < visible; ++t) a += sc[t] * load_vec<f32x16>(&s.v_block[size_t(t) * D + d]);
+        store_vec(acc + d, a);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    // l = 0 only for an empty context (a padding row): write zeros, not NaN.
+    const float inv = s.l[r] > 0.f ? 1.f / s.l[r] : 0.f;
+    Q* dst = out + (token0 + r / G) * p.o_token_stride +
+             int64_t(kv_head * G + r % G) * p.o_head_stride;
+    for (int d = 0; d < D; ++d) from_float(s.acc[size_t(r) * D + d] * inv, dst + d);
+  }
+}
+
+template <typename Q, typename C>
+void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q* out) {
+  const int64_t total = int64_t(items.size()) * p.num_kv_heads;
+  const int max_rows = QUERY_CHUNK * p.group;
+  // torch's intra-op thread count; dynamic schedule: items differ in context length.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    Scratch scratch;
+    scratch.size_for(max_rows, p.block_size, p.head_dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < total; ++w) {
+      attend_item<Q, C>(p, items[w / p.num_kv_heads], int(w % p.num_kv_heads), query, out,
+                        scratch);
+    }
+  }
+}
+
+CacheView cache_view(const torch::Tensor& cache) {
+  return {cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
+}
+
+ScaleView scale_view(const c10::optional<torch::Tensor>& scale) {
+  ScaleView view;
+  if (!scale.has_value()) return view;
+  const torch::Tensor& t = *scale;
+  if (t.dim() == 1) {
+    view.per_head = t.data_ptr<float>();
+  } else {
+    view.per_token = reinterpret_cast<const c10::Half*>(t.data_ptr<at::Half>());
+    view.block_stride = t.stride(0);
+    view.token_stride = t.stride(1);
+    view.head_stride = t.stride(2);
+  }
+  return view;
+}
+
+template <typename Q>
+void dispatch_cache(const Problem& p, const std::vector<WorkItem>& items,
+                    const torch::Tensor& query, torch::Tensor& out, at::ScalarType cache_type) {
+  const Q* q = static_cast<const Q*>(query.data_ptr());
+  Q* o = static_cast<Q*>(out.data_ptr());
+  switch (cache_type) {
+    case at::kChar: return run<Q, int8_t>(p, items, q, o);
+    case at::kFloat8_e4m3fn: return run<Q, c10::Float8_e4m3fn>(p, items, q, o);
+    default: return run<Q, Q>(p, items, q, o);  // the wrapper checked: cache dtype = query's
+  }
+}
+
+}  // namespace
+
+// Shapes and dtypes are checked by the Python wrapper (kernels/cpu_attention.py).
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                     torch::Tensor query_start_loc, double scale,
+                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  Problem p;
+  p.k = cache_view(k_cache);
+  p.v = cache_view(v_cache);
+  p.k_scale = scale_view(k_scale);
+  p.v_scale = scale_view(v_scale);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.table_stride = block_tables.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.q_token_stride = query.stride(0);
+  p.q_head_stride = query.stride(1);
+  p.o_token_stride = out.stride(0);
+  p.o_head_stride = out.stride(1);
+  p.num_kv_heads = int(k_cache.size(2));
+  p.group = int(query.size(1) / p.num_kv_heads);
+  p.head_dim = int(query.size(2));
+  p.block_size = int(k_cache.size(1));
+  p.scale = float(scale);
+
+  std::vector<WorkItem> items;
+  const int64_t batch = seq_lens.size(0);
+  for (int b = 0; b < batch; ++b) {
+    const int q_len = p.query_start_loc[b + 1] - p.query_start_loc[b];
+    for (int i = 0; i < q_len; i += QUERY_CHUNK) {
+      items.push_back({b, i, std::min(QUERY_CHUNK, q_len - i)});
+    }
+  }
+  switch (query.scalar_type()) {
+    case at::kFloat: return dispatch_cache<float>(p, items, query, out, k_cache.scalar_type());
+    case at::kBFloat16:
+      return dispatch_cache<c10::BFloat16>(p, items, query, out, k_cache.scalar_type());
+    case at::kHalf: return dispatch_cache<c10::Half>(p, items, query, out, k_cache.scalar_type());
+    default: TORCH_CHECK(false, "query: float32, float16 or bfloat16 expected");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "Paged attention over a block-table KV cache, in place (decode and prefill)");
+}

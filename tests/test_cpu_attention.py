@@ -1,0 +1,149 @@
+"""The C++ CPU paged-attention kernel against the torch references, on the Triton kernels'
+cases (test_kernels.py, test_kernels_kvq.py): every unowned cache slot NaN (or a NaN scale for
+int8), every output starting NaN, GQA ratios 1-8, odd lengths, block boundaries, padded block
+tables, and the torch backend's head-major cache passed as a strided view."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import DECODE_CASES, PREFILL_CASES, TOLERANCE, make_paged_context
+from test_kernels_kvq import make_quantized_context
+
+from kernels.cpu_attention import (
+    cpu_kernel_status,
+    paged_attention_decode_cpu,
+    paged_attention_prefill_cpu,
+)
+from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_compiler():
+    if (why := cpu_kernel_status()) is not None:
+        pytest.skip(f"CPU kernel unavailable: {why}")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def head_major_view(cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored as [Hkv, blocks, bs, D] (the torch backend's layout), seen
+    through a [blocks, bs, Hkv, D] view: what the cpu backend hands the kernel."""
+    return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("layout", ["kernel", "head_major"])
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "head_dim", "num_kv_heads", "group_size", "seq_lens"), DECODE_CASES
+)
+def test_decode_matches_reference(
+    dtype, block_size, head_dim, num_kv_heads, group_size, seq_lens, layout
+):
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_context(
+        seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=sum(seq_lens)
+    )
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    query = torch.randn(len(seq_lens), num_kv_heads * group_size, head_dim, generator=gen)
+    query, scale = query.to(dtype), head_dim**-0.5
+    ref = paged_attention_decode_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale)
+    if layout == "head_major":
+        k_cache, v_cache = head_major_view(k_cache), head_major_view(v_cache)
+    out = torch.full_like(query, float("nan"))
+
+    result = paged_attention_decode_cpu(
+        query, k_cache, v_cache, block_tables, seq_lens_t, scale, out=out
+    )
+
+    assert result is out and out.dtype == dtype
+    assert not out.isnan().any(), "output not fully written (or NaN cache slot read)"
+    assert relative_error(out, ref) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "head_dim", "num_kv_heads", "group_size", "requests"), PREFILL_CASES
+)
+def test_prefill_matches_reference(dtype, block_size, head_dim, num_kv_heads, group_size, requests):
+    seq_lens = [seq_len for seq_len, _ in requests]
+    q_lens = [q_len for _, q_len in requests]
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_context(
+        seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=sum(seq_lens) + 1
+    )
+    query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(sum(q_lens))
+    query = torch.randn(sum(q_lens), num_kv_heads * group_size, head_dim, generator=gen)
+    query, scale = query.to(dtype), head_dim**-0.5
+    args = (query, k_cache, v_cache, block_tables, seq_lens_t, query_start_loc, scale)
+    ref = paged_attention_prefill_ref(*args)
+    out = torch.full_like(query, float("nan"))
+
+    paged_attention_prefill_cpu(*args, out=out)
+
+    assert not out.isnan().any(), "output not fully written (or NaN cache slot read)"
+    assert relative_error(out, ref) <= TOLERANCE[dtype]
+
+
+def test_strided_query_and_padding_rows():
+    """q as a view of a fused projection output, a seq_len-0 padding row (zeros out), and a
+    block table far wider than the contexts."""
+    k_cache, v_cache, block_tables, seq_lens = make_paged_context([1, 16, 17], 2, 64, 16, F32, 5)
+    seq_lens[0] = 0
+    block_tables = torch.cat([block_tables, block_tables[:, -1:].expand(-1, 50)], 1).contiguous()
+    fused = torch.randn(3, 2 * 4 * 64)
+    query = fused[:, : 4 * 64].view(3, 4, 64)
+    out = torch.full_like(query, float("nan"))
+    paged_attention_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens, 0.125, out=out)
+    ref = paged_attention_decode_ref(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert relative_error(out[1:], ref[1:]) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "dtype", "block_size", "num_kv_heads", "group_size"),
+    [(torch.int8, F32, 16, 3, 3), (torch.int8, BF16, 8, 2, 4),
+     (torch.float8_e4m3fn, F32, 16, 3, 3), (torch.float8_e4m3fn, BF16, 32, 1, 8)],
+)  # fmt: skip
+def test_quantized_cache_matches_reference(
+    cache_dtype, dtype, block_size, num_kv_heads, group_size
+):
+    requests = [(1, 1), (37, 37), (300, 1), (129, 40)]  # decodes, a prompt, a chunk
+    seq_lens = [n for n, _ in requests]
+    k_cache, v_cache, k_scale, v_scale, tables, seq_lens_t = make_quantized_context(
+        seq_lens, num_kv_heads, 64, block_size, cache_dtype, dtype, seed=block_size
+    )
+    q_lens = [q for _, q in requests]
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    query = torch.randn(sum(q_lens), num_kv_heads * group_size, 64).to(dtype)
+    args = (query, k_cache, v_cache, tables, seq_lens_t, starts, 0.125)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    ref = paged_attention_prefill_ref(*args, **scales)
+    out = torch.full_like(query, float("nan"))
+    paged_attention_prefill_cpu(*args, out=out, **scales)
+    assert not out.isnan().any()
+    assert relative_error(out, ref) <= TOLERANCE[dtype]
+
+
+def test_bad_inputs_name_the_field():
+    k_cache, v_cache, tables, seq_lens = make_paged_context([5, 9], 2, 64, 16, F32, 0)
+    query = torch.randn(2, 4, 64)
+    cases = [
+        ("query", dict(query=torch.randn(2, 3, 64))),
+        ("block_tables", dict(block_tables=tables.long())),
+        ("seq_lens", dict(seq_lens=seq_lens[:1])),
+        ("k_cache", dict(query=query.half(), out=None)),
+        ("out", dict(out=torch.empty(2, 4, 64, dtype=F16))),
+        ("k_cache", dict(v_cache=v_cache[:1])),
+        ("k_scale", dict(k_scale=torch.ones(2))),
+        ("k_cache", dict(k_cache=k_cache.transpose(2, 3))),
+    ]
+    for field, override in cases:
+        kwargs = dict(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                      seq_lens=seq_lens, scale=1.0, out=torch.empty_like(query))  # fmt: skip
+        kwargs.update(override)
+        if kwargs["out"] is None:
+            kwargs["out"] = torch.empty_like(kwargs["query"])
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            paged_attention_decode_cpu(**kwargs)
