@@ -28,7 +28,7 @@ screenshots: setup-dev browser
 
 setup: $(STAMP) compiler
 
-setup-dev: $(DEV_STAMP)
+setup-dev: $(DEV_STAMP) compiler
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -6,6 +6,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the CPU attention kernel before the first test (about a minute, once per machine,
+    then cached): attention_backend="auto" uses it on CPU, and no test's own timeout (a server
+    start, a subprocess) should pay for the compile. Without a compiler this returns the reason
+    and the engines run the torch path, as they would for a user."""
+    from kernels.cpu_attention import cpu_kernel_status
+
+    cpu_kernel_status()
+
+
 @pytest.fixture(scope="session")
 def make_llm():
     """make_llm(**kwargs) -> LLM(**kwargs), one engine per distinct EngineConfig for the whole
