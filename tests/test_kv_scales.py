@@ -10,6 +10,7 @@ from benchmarks.kv_quant import tokens_before_divergence
 from engine import LLM, EngineConfig
 from engine.request import SamplingParams
 from engine.runner.attention import TorchBackend, TritonBackend
+from engine.runner.attention.cpu_backend import CpuBackend
 from engine.runner.attention.base import AttentionInputs, AttentionMetadata
 from engine.runner.attention.kv_quant import (
     FP8_MAX,
@@ -20,7 +21,7 @@ from engine.runner.attention.kv_quant import (
 
 TINY64 = "random:tiny,head_dim=64"
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-BACKENDS = {"torch": TorchBackend, "triton": TritonBackend}
+BACKENDS = {"torch": TorchBackend, "triton": TritonBackend, "cpu": CpuBackend}
 HEADS, HEAD_DIM, BLOCK = 2, 64, 8
 FP8_RELATIVE = 2.0**-4  # e4m3 rounds to 3 mantissa bits: half a step is 2^-4 of the value
 
@@ -92,7 +93,7 @@ def _store_prefill(backend, cache: LayerKVCache, q, k, v) -> torch.Tensor:
 
 def _stored(backend_name: str, cache: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     """The first n slots of a K or V cache dequantized: [n, Hkv, D] float32."""
-    if backend_name == "torch":  # head-major [Hkv, blocks, bs, D]
+    if backend_name in ("torch", "cpu"):  # head-major [Hkv, blocks, bs, D]
         values = cache.view(HEADS, -1, HEAD_DIM)[:, :n].transpose(0, 1)
     else:  # [blocks, bs, Hkv, D]
         values = cache.view(-1, HEADS, HEAD_DIM)[:n]
@@ -107,7 +108,7 @@ def _reference_attention(q, k, v) -> torch.Tensor:
     return o.transpose(0, 1)
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton", "cpu"])
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 def test_calculated_scales_keep_values_beyond_448(backend_name, granularity):
     """K/V up to ~4000 (a third beyond 448; heads 30x apart): scale 1.0 clamps those; scales
@@ -152,7 +153,7 @@ def test_calculated_scales_keep_values_beyond_448(backend_name, granularity):
     assert torch.equal(cache.key_scale, before[0]) and torch.equal(cache.value_scale, before[1])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_engine_scales_are_set_by_the_first_batch_and_kept(backend):
     """The whole engine on a tiny random model: a fresh pool's scales are 0 ("not calculated")
     even after the start-up profiling pass, the first request sets every layer's, and a later

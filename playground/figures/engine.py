@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from engine.telemetry.stats import RequestProgress, StepStats
+from engine.telemetry.stats import EngineStats, RequestProgress, StepStats
 from playground.figures.style import KIND_COLORS, base_layout, empty_figure
 
 EMPTY_HINT = "No engine steps yet: send a message in Chat or run a load test."
@@ -152,3 +152,37 @@ def queue_html(rows: Sequence[RequestProgress]) -> str:
         "<th>prefill (prompt tokens in KV)</th><th>decode (output / max tokens)</th>"
         f"<th>KV blocks</th></tr></thead><tbody>{''.join(body)}</tbody></table></div>"
     )
+
+
+ACCEPTANCE_EMPTY_HINT = (
+    "No draft verified yet: chat, or run a load test, with speculative decoding on."
+)
+
+
+def acceptance_figure(stats: EngineStats) -> go.Figure:
+    """Speculative decoding since start-up: per draft position, the share of the drafts
+    verified there that the target accepted (bars; the counts in the hover), titled with the
+    mean accepted length (tokens a verifying request gets per step). Position i is verified
+    only when a request proposed more than i tokens; a drafter that guesses well keeps the
+    later bars high, which is where the speedup comes from."""
+    title = "Draft acceptance by position"
+    if not stats.num_spec_proposals_total:
+        return empty_figure(ACCEPTANCE_EMPTY_HINT, title)
+    drafts = stats.num_draft_tokens_by_position
+    accepted = stats.num_accepted_tokens_by_position
+    positions = [f"draft {i + 1}" for i in range(len(drafts))]
+    percent = [100 * r for r in stats.acceptance_by_position]
+    trace = {
+        "type": "bar", "x": positions, "y": percent, "name": "accepted",
+        "customdata": [[a, d] for a, d in zip(accepted, drafts, strict=True)],
+        "marker": {"color": KIND_COLORS["decode"]},
+        "text": [f"{p:.0f} %" for p in percent], "textposition": "outside",
+        "hovertemplate": "%{x}: %{customdata[0]:,} of %{customdata[1]:,} accepted"
+                         "<extra></extra>",
+    }  # fmt: skip
+    fig = go.Figure(data=[trace])
+    mean = stats.mean_accepted_length
+    base_layout(fig, f"{title} · {mean:.2f} tokens per verify step", height=260)
+    fig.update_yaxes(title_text="accepted (%)", range=[0, 110])
+    fig.update_layout(showlegend=False)
+    return fig

@@ -18,7 +18,12 @@ from engine.telemetry.stats import EngineStats
 from playground.engine_client import EngineClient
 from playground.engine_info import kv_format
 from playground.figures.blocks import block_map_figure, usage_gauge
-from playground.figures.engine import TIMELINE_WINDOWS_S, batch_timeline_figure, queue_html
+from playground.figures.engine import (
+    TIMELINE_WINDOWS_S,
+    acceptance_figure,
+    batch_timeline_figure,
+    queue_html,
+)
 from playground.figures.style import fmt_bytes
 
 
@@ -31,6 +36,8 @@ class LiveView:
     gauge: go.Figure | None
     queue_html: str | None
     timeline: go.Figure | None
+    # Draft acceptance by position; None also when speculative decoding is off (not shown).
+    acceptance: go.Figure | None = None
 
 
 def signature(stats: EngineStats) -> tuple[int, ...]:
@@ -115,9 +122,11 @@ def live_view(
     service: EngineClient,
     window_s: float = TIMELINE_WINDOWS_S["last 2 min"],
     last_signature: tuple[int, ...] | None = None,
+    speculative: bool = False,
 ) -> tuple[tuple[int, ...], LiveView]:
     """The views of the engine now. With last_signature: only what changed since (the block
-    map of a 100k-block pool is not rebuilt or re-sent while nothing happens)."""
+    map of a 100k-block pool is not rebuilt or re-sent while nothing happens). speculative:
+    the engine drafts (speculative_method != "off"), so the acceptance chart is drawn."""
     stats = service.stats()
     now_s = time.perf_counter()  # the clock of StepStats.start_time
     sig = signature(stats)
@@ -135,5 +144,6 @@ def live_view(
         gauge=usage_gauge(used, snapshot.num_blocks),
         queue_html=queue_html(queue),
         timeline=timeline,
+        acceptance=acceptance_figure(stats) if speculative else None,
     )
     return sig, view

@@ -1,5 +1,6 @@
-"""Engine (live) tab: the block map, KV usage gauge, request queues and per-step batch
-composition, refreshed by a 1 s timer while the tab is open."""
+"""Engine (live) tab: the block map, KV usage gauge, request queues, per-step batch
+composition and (with speculative decoding) draft acceptance by position, refreshed by a 1 s
+timer while the tab is open."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
     ui.timeline = gr.Plot(
         show_label=False, label="Batch composition over time", elem_id="batch-timeline"
     )
+    # Speculative decoding's view: only for an engine that drafts (its config is fixed).
+    ui.speculative = ctx.info.config.speculative_method != "off"
+    ui.acceptance = gr.Plot(
+        show_label=False, label="Draft acceptance by position", elem_id="spec-acceptance",
+        visible=ui.speculative,
+    )  # fmt: skip
     ui.window = gr.Radio(
         list(TIMELINE_WINDOWS_S),
         value=DEFAULT_WINDOW,
@@ -54,17 +61,19 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
 
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
-    outputs = [ui.summary, ui.block_map, ui.gauge, ui.queue, ui.timeline, ui.signature]
+    outputs = [ui.summary, ui.block_map, ui.gauge, ui.queue, ui.timeline, ui.acceptance,
+               ui.signature]  # fmt: skip
     # A timer tick sends its plots through the stream's payload instead (plot_stream.py).
     tick_outputs = [ui.summary, ui.queue, ui.stream.payload, ui.signature]
 
     def view_of(last_signature, window):
         window_s = TIMELINE_WINDOWS_S.get(window, TIMELINE_WINDOWS_S[DEFAULT_WINDOW])
-        return live_view(ctx.service, window_s, last_signature)
+        return live_view(ctx.service, window_s, last_signature, speculative=ui.speculative)
 
     def refresh_now(last_signature, window=DEFAULT_WINDOW):
         sig, view = view_of(None, window)
-        views = [view.summary_md, view.block_map, view.gauge, view.queue_html, view.timeline]
+        views = [view.summary_md, view.block_map, view.gauge, view.queue_html, view.timeline,
+                 view.acceptance]  # fmt: skip
         return [gr.skip() if v is None else v for v in views] + [sig]
 
     def tick(last_signature, window=DEFAULT_WINDOW, auto=True):
@@ -74,7 +83,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         # None: unchanged since the last tick, so nothing is sent for it.
         text = [gr.skip() if v is None else v for v in (view.summary_md, view.queue_html)]
         figures = {"block-map": view.block_map, "kv-gauge": view.gauge,
-                   "batch-timeline": view.timeline}  # fmt: skip
+                   "batch-timeline": view.timeline, "spec-acceptance": view.acceptance}  # fmt: skip
         return [*text, ui.stream.encode(figures), sig]
 
     # One live group: timers of every open browser tab share a few workers, and a tick that

@@ -78,6 +78,7 @@ class CpuBackend(TorchBackend):
             num_decode_tokens=len(inputs.decode_seq_lens),
             prefill_q_lens=inputs.prefill_q_lens,
             prefill_ctx_lens=inputs.prefill_ctx_lens,
+            calculate_kv_scales=inputs.calculate_kv_scales,
             store_index=store_rows(
                 inputs.slot_mapping, self.num_kv_heads, num_blocks * self.block_size
             ),
@@ -89,9 +90,10 @@ class CpuBackend(TorchBackend):
         )
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
-        if not isinstance(meta, CpuAttentionMetadata):  # the fallback's metadata
-            return torch_attention(q, k, v, kv_cache, meta, scale)
         cache = LayerKVCache(*kv_cache)
+        self.calculate_kv_scales_(k, v, cache, meta)  # fp8's first batch: before the store
+        if not isinstance(meta, CpuAttentionMetadata):  # the fallback's metadata
+            return torch_attention(q, k, v, cache, meta, scale)
         store_kv(cache, k, v, meta.store_index)
         out = torch.empty_like(q)
         if meta.seq_lens.numel() == 0:
