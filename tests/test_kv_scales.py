@@ -10,8 +10,8 @@ from benchmarks.kv_quant import tokens_before_divergence
 from engine import LLM, EngineConfig
 from engine.request import SamplingParams
 from engine.runner.attention import TorchBackend, TritonBackend
-from engine.runner.attention.cpu_backend import CpuBackend
 from engine.runner.attention.base import AttentionInputs, AttentionMetadata
+from engine.runner.attention.cpu_backend import CpuBackend
 from engine.runner.attention.kv_quant import (
     FP8_MAX,
     MIN_FP8_SCALE,
