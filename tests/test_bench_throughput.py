@@ -28,7 +28,8 @@ def test_bench_throughput_reports_the_roofline_bound(tmp_path, capsys, monkeypat
     assert roof["device"] == "toy" and roof["num_steps"] > 0
     # 1 GFLOP/s and 1 GB/s: the bound is the sum of max(flops, bytes) / 1e9 over the steps.
     assert roof["bound_s"] > 0 and 0 < roof["decode_bound_s"] <= roof["bound_s"]
-    assert roof["fraction_of_bound"] == pytest.approx(roof["bound_s"] / cont["duration_s"], 0.01)
+    # Both are rounded to 1 ms in the report and this run lasts a few tens of ms: 10 %.
+    assert roof["fraction_of_bound"] == pytest.approx(roof["bound_s"] / cont["duration_s"], 0.1)
     assert "roofline" in report["results"]["static"]
     assert report["ratios"]["continuous_vs_static"] > 0
 

@@ -23,7 +23,6 @@ from engine.runner.attention.torch_backend import (
     TorchAttentionMetadata,
     TorchBackend,
     store_kv,
-    store_rows,
     torch_attention,
 )
 
@@ -74,14 +73,7 @@ class CpuBackend(TorchBackend):
         width = cdiv(max(seq_lens), self.block_size) if seq_lens else 0
         dev = self.device
         return CpuAttentionMetadata(
-            slot_mapping=inputs.slot_mapping,
-            num_decode_tokens=len(inputs.decode_seq_lens),
-            prefill_q_lens=inputs.prefill_q_lens,
-            prefill_ctx_lens=inputs.prefill_ctx_lens,
-            calculate_kv_scales=inputs.calculate_kv_scales,
-            store_index=store_rows(
-                inputs.slot_mapping, self.num_kv_heads, num_blocks * self.block_size
-            ),
+            **self.store_fields(inputs, num_blocks),
             block_tables=pad_block_tables(tables, width, dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(

@@ -67,20 +67,25 @@ class TorchBackend(AttentionBackend):
         self.calculate_kv_scales_(k, v, kv_cache, meta)
         return torch_attention(q, k, v, kv_cache, meta, scale)
 
+    def store_fields(self, inputs: AttentionInputs, num_blocks: int) -> dict:
+        """The metadata fields of the step's shape and of storing its K/V in this layout
+        (head-major), shared with the cpu backend, which stores the same way."""
+        return {
+            "slot_mapping": inputs.slot_mapping,
+            "num_decode_tokens": len(inputs.decode_seq_lens),
+            "prefill_q_lens": inputs.prefill_q_lens,
+            "prefill_ctx_lens": inputs.prefill_ctx_lens,
+            "calculate_kv_scales": inputs.calculate_kv_scales,
+            "store_index": store_rows(
+                inputs.slot_mapping, self.num_kv_heads, num_blocks * self.block_size
+            ),
+        }
+
     def build_metadata(
         self, inputs: AttentionInputs, kv_caches: list[LayerKVCache]
     ) -> TorchAttentionMetadata:
         num_blocks = kv_caches[0][0].shape[1]  # head-major [Hkv, blocks, bs, D]
-        meta = TorchAttentionMetadata(
-            slot_mapping=inputs.slot_mapping,
-            num_decode_tokens=len(inputs.decode_seq_lens),
-            prefill_q_lens=inputs.prefill_q_lens,
-            prefill_ctx_lens=inputs.prefill_ctx_lens,
-            calculate_kv_scales=inputs.calculate_kv_scales,
-            store_index=store_rows(
-                inputs.slot_mapping, self.num_kv_heads, num_blocks * self.block_size
-            ),
-        )
+        meta = TorchAttentionMetadata(**self.store_fields(inputs, num_blocks))
         meta.decode_groups = self._decode_groups(inputs, num_blocks)
         meta.prefill_gather_index = self._prefill_rows(inputs, num_blocks)
         # The largest gather of the step sizes the workspace.
