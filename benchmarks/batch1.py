@@ -63,14 +63,14 @@ def run_ours(config: EngineConfig, prompts: list[list[int]], output_len: int) ->
 def run_hf(weights_dir, dtype: torch.dtype, prompts: list[list[int]], output_len: int) -> dict:
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-    from benchmarks.throughput import _StepClock
+    from benchmarks.throughput import StepClock
 
     model = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=dtype).eval()
     tpots, ttfts, tokens = [], [], []
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=4, do_sample=False)
         for p in prompts:
-            clock = _StepClock()
+            clock = StepClock()
             start = time.perf_counter()
             out = model.generate(
                 torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),

@@ -129,7 +129,7 @@ def roofline_report(steps: list[StepStats], device: str, dtype: str, duration_s:
     }
 
 
-class _StepClock:
+class StepClock:
     """A logits processor that only records when each generation step produced its logits."""
 
     def __init__(self) -> None:
@@ -158,7 +158,7 @@ def run_hf(
         width = max(map(len, prompts))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        clock = _StepClock()
+        clock = StepClock()
         with torch.inference_mode():
             model.generate(
                 ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),

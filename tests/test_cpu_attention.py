@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels import DECODE_CASES, PREFILL_CASES, TOLERANCE, make_paged_context
+from test_kernels import (
+    BF16,
+    DECODE_CASES,
+    F16,
+    F32,
+    PREFILL_CASES,
+    TOLERANCE,
+    make_paged_context,
+    relative_error,
+)
 from test_kernels_kvq import make_quantized_context
 
 from kernels.cpu_attention import (
@@ -17,17 +26,11 @@ from kernels.cpu_attention import (
 )
 from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref
 
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _needs_compiler():
     if (why := cpu_kernel_status()) is not None:
         pytest.skip(f"CPU kernel unavailable: {why}")
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def head_major_view(cache: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ them; its size is bounded separately (test_round_trip_error_is_bounded).
 import pytest
 import torch
 import triton
+from test_kernels import BF16, F16, F32, TOLERANCE, relative_error
 
 from kernels import (
     kv_store,
@@ -22,14 +23,8 @@ from kernels import (
 )
 from kernels.reference import dequantize_cache
 
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 INT8, FP8 = torch.int8, torch.float8_e4m3fn
 FP8_NAN = 0x7F  # e4m3fn's NaN code
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def empty_quantized_cache(shape, cache_dtype, gen):

@@ -5,10 +5,10 @@ TRITON_INTERPRET=1); the bad-input errors. Format basics are in test_kv_quant.py
 
 import pytest
 import torch
+from test_kv_quant import GREEDY, PROMPTS  # the agreement set of 16-bit vs int8/fp8
 
 from benchmarks.kv_quant import tokens_before_divergence
 from engine import LLM, EngineConfig
-from engine.request import SamplingParams
 from engine.runner.attention import TorchBackend, TritonBackend
 from engine.runner.attention.base import AttentionInputs, AttentionMetadata
 from engine.runner.attention.cpu_backend import CpuBackend
@@ -20,7 +20,6 @@ from engine.runner.attention.kv_quant import (
 )
 
 TINY64 = "random:tiny,head_dim=64"
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 BACKENDS = {"torch": TorchBackend, "triton": TritonBackend, "cpu": CpuBackend}
 HEADS, HEAD_DIM, BLOCK = 2, 64, 8
 FP8_RELATIVE = 2.0**-4  # e4m3 rounds to 3 mantissa bits: half a step is 2^-4 of the value
@@ -176,14 +175,6 @@ def test_engine_scales_are_set_by_the_first_batch_and_kept(backend):
     )
     reference = LLM(TINY64, **common).generate([prompt], GREEDY)[0].token_ids
     assert tokens == reference
-
-
-PROMPTS = [
-    "The capital of France is",
-    "1, 2, 3, 4, 5,",
-    "def fibonacci(n):",
-    "Once upon a time, there was",
-]
 
 
 @pytest.mark.slow

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import openai
 import pytest
+from openai_server import served_client
 from tiny_hf import reference_logprobs
 
 from engine import EngineConfig, EngineService
-from engine.serving.http_server import BackgroundServer
 from engine.serving.protocol import MAX_LOGPROBS
-from engine.serving.server import create_app
 
 TOL = 2e-4
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -28,9 +27,8 @@ def service(tiny_hf_folder):
 
 @pytest.fixture(scope="module")
 def client(service):
-    srv = BackgroundServer(create_app(service, served_model_name="m")).start()
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
-    srv.stop()
+    with served_client(service) as c:
+        yield c
 
 
 def _ids(service, text: str) -> list[int]:

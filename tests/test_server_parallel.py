@@ -8,10 +8,9 @@ import collections
 
 import openai
 import pytest
+from openai_server import served_client
 
 from engine import EngineConfig, EngineService, SamplingParams
-from engine.serving.http_server import BackgroundServer
-from engine.serving.server import create_app
 
 MAX_NUM_SEQS = 8
 PROMPT = "The quick brown fox jumps over the lazy dog again"
@@ -28,9 +27,8 @@ def service(tiny_hf_folder):
 
 @pytest.fixture(scope="module")
 def client(service):
-    srv = BackgroundServer(create_app(service, served_model_name="m")).start()
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
-    srv.stop()
+    with served_client(service) as c:
+        yield c
 
 
 def _alone(service, prompt, seed: int, max_tokens: int) -> str:
