@@ -58,6 +58,9 @@ class EngineClient(Protocol):
 
     def block_snapshot(self) -> BlockSnapshot: ...
 
+    # The published block map with the most blocks held since start-up (None before any).
+    peak_block_snapshot: BlockSnapshot | None
+
     def queue_snapshot(self) -> list[RequestProgress]: ...
 
     def shutdown(self) -> None: ...

@@ -116,6 +116,10 @@ class EngineService:
             0,
         )
         self._watch_until = 0.0  # publish snapshots after each step until then (monotonic s)
+        # Of the block maps published so far (after every step while someone watches), the one
+        # with the most blocks held: exact at step granularity, where a poller misses a peak
+        # that lasts less than its interval (Compare's peak map on a fast engine).
+        self.peak_block_snapshot: BlockSnapshot | None = None
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -174,6 +178,9 @@ class EngineService:
         """Called with the lock held (the engine thread holds it while it steps)."""
         snapshots = (self.engine.block_snapshot(), self.engine.queue_snapshot())
         self._published = (snapshots, self.engine.num_steps)
+        block, peak = snapshots[0], self.peak_block_snapshot
+        if peak is None or block.num_blocks - block.num_free > peak.num_blocks - peak.num_free:
+            self.peak_block_snapshot = block
 
     @property
     def is_running(self) -> bool:

@@ -400,8 +400,13 @@ class PeakPoller:
                 self.peak = snap
 
     def stop(self) -> BlockSnapshot:
+        """The peak: polled, or the service's own record of every step's map while polled
+        (a run shorter than the interval would slip between two polls)."""
         self._stop.set()
         self._thread.join()
+        recorded = self.service.peak_block_snapshot
+        if recorded is not None and blocks_held(recorded) > blocks_held(self.peak):
+            self.peak = recorded
         return self.peak
 
 
