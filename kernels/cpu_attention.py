@@ -1,11 +1,7 @@
 """CPU paged attention (cpu_paged_attention.cpp): the checked wrappers and the JIT build.
 
 The C++ kernel reads K/V blocks in place through the block table (no gather copy), GQA-aware,
-online softmax in float32. It is compiled once per machine with torch.utils.cpp_extension
-(`-O3 -march=native -fopenmp`) and cached beside the converted model: TORCH_EXTENSIONS_DIR if
-set, else $PLAYGROUND_CACHE_DIR (or ~/.cache/inference-playground)/torch_extensions. The build
-name hashes the source, the flags, torch's version and this CPU's model and flags, so a cache
-shared between machines never loads a build made for another CPU's instruction set.
+online softmax in float32. It is compiled once per machine and cached (kernels/cpu_build.py).
 
 Same signatures as kernels.reference (cache [num_blocks, block_size, num_kv_heads, head_dim],
 any strides with a contiguous last dim, so a head-major cache passes as a permuted view).
@@ -14,82 +10,23 @@ any strides with a contiguous last dim, so a head-major cache passes as a permut
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-log = logging.getLogger(__name__)
+from kernels.cpu_build import CpuKernelUnavailable, build_extension
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
-
-
-class CpuKernelUnavailable(RuntimeError):
-    """The extension cannot be built here (no C++ compiler, or the build failed)."""
-
-
-def extensions_dir() -> Path:
-    if env := os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(env)
-    root = os.environ.get("PLAYGROUND_CACHE_DIR") or Path.home() / ".cache" / "inference-playground"
-    return Path(root) / "torch_extensions"
-
-
-def _cpu_signature() -> str:
-    """This CPU's model name and flags (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
-
-
-def build_name() -> str:
-    parts = [SOURCE.read_text(), " ".join(CFLAGS), torch.__version__, _cpu_signature()]
-    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
-    return f"cpu_paged_attention_{digest}"
-
-
-def _ensure_ninja_on_path() -> None:
-    """torch's JIT builds with ninja. The `ninja` wheel (a project dependency) installs its
-    script beside this interpreter, which is not on PATH when the venv is not activated."""
-    if shutil.which("ninja"):
-        return
-    scripts = str(Path(sys.executable).parent)
-    os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 @functools.cache
 def load_extension() -> ModuleType:
     """The compiled kernel: built on first use (~1 min), then loaded from the cache (~0.1 s).
     Raises CpuKernelUnavailable naming the reason when it cannot be built."""
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise CpuKernelUnavailable(
-            f"no C++ compiler ({compiler!r} not on PATH): install g++ (`make setup` does, as root)"
-        )
-    _ensure_ninja_on_path()
-    from torch.utils import cpp_extension
-
-    build_dir = extensions_dir() / build_name()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(
-            name=build_dir.name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False,
-        )  # fmt: skip
-    except (RuntimeError, OSError, ImportError) as exc:
-        raise CpuKernelUnavailable(f"building {SOURCE.name} failed: {exc}") from exc
+    return build_extension("cpu_paged_attention", [SOURCE])
 
 
 def cpu_kernel_status() -> str | None:

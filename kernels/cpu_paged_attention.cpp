@@ -22,6 +22,8 @@
 #include <c10/util/Half.h>
 #include <omp.h>
 
+#include "cpu_simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,47 +33,9 @@
 
 namespace {
 
-// GCC/Clang vector extensions: 16 floats, lowered to one zmm, two ymm or four xmm registers
-// by -march=native. (Plain loops with 16 accumulators were left scalar by GCC 12.)
-constexpr int LANES = 16;  // the wrapper requires head_dim % 16 == 0
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-
-template <typename V>
-inline V load_vec(const void* p) {
-  V v;
-  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
-  return v;
-}
-inline void store_vec(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-
-inline float hsum(f32x16 x) {
-  f32x8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
+using namespace cpu_simd;  // f32x16 & co., load_vec, hsum, to_float (cpu_simd.h)
+// (Plain loops with 16 accumulators were left scalar by GCC 12: hence the vector types.)
 constexpr int QUERY_CHUNK = 16;  // query tokens per work item (prefill); decode has 1
-
-inline float bits_to_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// bfloat16 is the top half of a float32: widen by shifting (vectorizes, unlike a call).
-inline float to_float(c10::BFloat16 x) { return bits_to_float(uint32_t(x.x) << 16); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(float x) { return x; }
-inline float to_float(int8_t x) { return static_cast<float>(x); }
-
-inline void from_float(float x, float* dst) { *dst = x; }
-inline void from_float(float x, c10::BFloat16* dst) { *dst = c10::BFloat16(x); }  // RNE
-inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }
 
 // All 256 float8_e4m3fn values as float32: a table lookup beats the bit manipulation.
 const float* fp8_table() {
@@ -93,12 +57,7 @@ inline void load_row(const C* src, int n, float scale, float* dst) {
 }
 template <>
 inline void load_row<c10::BFloat16>(const c10::BFloat16* src, int n, float scale, float* dst) {
-  for (int d = 0; d < n; d += LANES) {  // bfloat16 -> float32: the bits shifted up by 16
-    u32x16 bits = __builtin_convertvector(load_vec<u16x16>(src + d), u32x16) << 16;
-    f32x16 x;
-    std::memcpy(&x, &bits, sizeof x);
-    store_vec(dst + d, x * scale);
-  }
+  for (int d = 0; d < n; d += LANES) store_vec(dst + d, load_bf16x16(src + d) * scale);
 }
 template <>
 inline void load_row<float>(const float* src, int n, float scale, float* dst) {
@@ -122,34 +81,6 @@ inline float dot(const float* a, const float* b, int n) {
   f32x16 acc = load_vec<f32x16>(a) * load_vec<f32x16>(b);
   for (int d = LANES; d < n; d += LANES) acc += load_vec<f32x16>(a + d) * load_vec<f32x16>(b + d);
   return hsum(acc);
-}
-
-// exp(x) for x <= 0, 16 lanes at once (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6
-// polynomial, 2^n through the exponent bits; ~1 ulp). std::exp is a scalar call: it was a
-// third of a decode step. Below -87 it returns ~1e-38, not 0: next to the row's max term (1)
-// that changes nothing. n is rounded with the 1.5 * 2^23 trick (plain arithmetic, vectorizes).
-inline f32x16 exp_nonpositive(f32x16 x) {
-  const f32x16 lowest = f32x16{} - 87.0f;
-  x = x < lowest ? lowest : x;
-  const float round_magic = 12582912.0f;
-  const f32x16 n = (x * 1.44269504088896341f + round_magic) - round_magic;
-  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
-  const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 two_n;
-  std::memcpy(&two_n, &exponent, sizeof two_n);
-  return p * two_n;
-}
-
-inline float exp_nonpositive(float x) {
-  return exp_nonpositive(f32x16{} + x)[0];
 }
 
 struct CacheView {

@@ -27,6 +27,8 @@ class EngineInfo:
     kv_cache_dtype: str = ""
     # What runs attention (EngineStats.attention_backend): a fallback says so in the header.
     attention_backend: str = ""
+    # What runs RMSNorm, RoPE and SiLU-and-mul (EngineStats.layer_ops).
+    layer_ops: str = ""
 
 
 def engine_info(service: Any) -> EngineInfo:
@@ -43,6 +45,7 @@ def engine_info(service: Any) -> EngineInfo:
         weight_bytes=service.weight_bytes,
         kv_cache_dtype=stats.kv_cache_dtype,
         attention_backend=stats.attention_backend,
+        layer_ops=stats.layer_ops,
     )
 
 
@@ -132,7 +135,8 @@ def describe(info: EngineInfo) -> str:
 
 
 def _attention(info: EngineInfo) -> str:
-    return f", attention {info.attention_backend}" if info.attention_backend else ""
+    text = f", attention {info.attention_backend}" if info.attention_backend else ""
+    return text + (f", norm/RoPE/SiLU {info.layer_ops}" if info.layer_ops else "")
 
 
 def _speculative(config: EngineConfig) -> str:

@@ -30,6 +30,7 @@ from engine.request import Request
 from engine.runner.attention.base import AttentionBackend, AttentionInputs
 from engine.runner.model_build import WeightFormat, build_model
 from engine.runner.model_loader import ModelSource, load_tokenizer, resolve_model
+from engine.runner.models.layer_ops import TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.models.prepack import can_prepack, prepack_linears
 from engine.runner.quant import QuantSummary
@@ -92,6 +93,7 @@ class DraftModel:
         source: ModelSource,
         max_model_len: int,
         backend: AttentionBackend,  # the target's: the draft takes its class and settings
+        ops: TorchOps,  # the target's small per-layer ops (layer_ops.py): stateless, shared
     ) -> None:
         arch = source.arch
         if arch.max_position_embeddings < max_model_len:
@@ -113,7 +115,7 @@ class DraftModel:
         self.model: LlamaForCausalLM
         self.quant_summary: QuantSummary | None
         self.model, self.quant_summary = build_model(
-            source, max_model_len, self.attn_backend, backend.device, backend.dtype, fmt,
+            source, max_model_len, self.attn_backend, backend.device, backend.dtype, fmt, ops,
             field="speculative_quantization",
         )  # fmt: skip
         if config.prepack_weights and can_prepack(backend.device, backend.dtype):

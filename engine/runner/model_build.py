@@ -13,6 +13,7 @@ import torch
 
 from engine.runner.attention.base import AttentionBackend
 from engine.runner.model_loader import ModelSource, iter_safetensors
+from engine.runner.models.layer_ops import TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.quant import QuantSummary, load_awq, quantize_model
 from engine.runner.quant.awq import check_awq_config
@@ -34,13 +35,15 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     fmt: WeightFormat,
+    ops: TorchOps,
     field: str = "quantization",
 ) -> tuple[LlamaForCausalLM, QuantSummary | None]:
-    """The model in eval mode without grads, and its QuantSummary when quantized. `field`
-    names the config field a format error is about (the draft has its own)."""
+    """The model in eval mode without grads, and its QuantSummary when quantized. `ops` runs
+    the small per-layer ops (layer_ops.py); `field` names the config field a format error is
+    about (the draft has its own)."""
     # Built on the meta device, then materialized: no time spent on throw-away init.
     with torch.device("meta"):
-        model = LlamaForCausalLM(source.arch, max_model_len, attn_backend)
+        model = LlamaForCausalLM(source.arch, max_model_len, attn_backend, ops)
     model = model.to_empty(device=device).to(dtype)
     is_awq = bool(source.quant_config) and source.quant_config.get("quant_method") == "awq"
     if fmt.quantization == "awq" or is_awq:

@@ -27,6 +27,7 @@ from engine.runner.draft_model import Draft, DraftModel, resolve_draft_source
 from engine.runner.logprobs import add_logprobs, prompt_logit_rows
 from engine.runner.model_build import WeightFormat, build_model
 from engine.runner.model_loader import ModelSource
+from engine.runner.models.layer_ops import make_layer_ops
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.models.prepack import PrepackedLinear, can_prepack, prepack_linears
 from engine.runner.onednn_cache import bound_onednn_caches
@@ -82,6 +83,12 @@ class ModelRunner:
         self.quant_summary: QuantSummary | None = None  # set by _load_model when quantized
         # fp8 with calculate_kv_scales: True until a step has set the current pool's scales.
         self._kv_scales_pending = False
+        # RMSNorm, RoPE, SiLU-and-mul: the C++ ops on CPU unless off or they cannot be built.
+        self.layer_ops, self.fused_ops_fallback = make_layer_ops(
+            config.fused_ops, self.device, self.arch
+        )
+        if self.fused_ops_fallback:
+            logger.warning("fused_ops: the torch ops run instead: %s", self.fused_ops_fallback)
         self.model = self._load_model(source)
         # Linear layers packed for oneDNN (CPU, 16-bit); 0 when off or not possible here.
         self.num_prepacked_linears = 0
@@ -91,7 +98,9 @@ class ModelRunner:
         self.drafter: DraftModel | None = None
         if config.speculative_method == "draft":
             draft_source = resolve_draft_source(config, source)
-            self.drafter = DraftModel(config, draft_source, max_model_len, self.attn_backend)
+            self.drafter = DraftModel(
+                config, draft_source, max_model_len, self.attn_backend, self.layer_ops
+            )
         self._step_drafts: dict[str, Draft] = {}  # this step's draft-model proposals
         self.kv_spec = self._plan_kv_cache()
         # Per layer (K, V[, K scales, V scales]), views of one [layers, 2, ...] tensor each.
@@ -140,8 +149,9 @@ class ModelRunner:
             self.config.quantization, self.config.quantization_group_size, self.config.seed
         )
         model, self.quant_summary = build_model(
-            source, self.max_model_len, self.attn_backend, self.device, self.dtype, fmt
-        )
+            source, self.max_model_len, self.attn_backend, self.device, self.dtype, fmt,
+            self.layer_ops,
+        )  # fmt: skip
         return model
 
     def _plan_kv_cache(self) -> KVCacheSpec:
@@ -447,6 +457,12 @@ class ModelRunner:
         head_params = self.arch.vocab_size * self.arch.hidden_size
         head_bytes = head_params * self.dtype.itemsize
         return (summary.linear_bytes + head_bytes) / (summary.linear_params + head_params)
+
+    @property
+    def layer_ops_description(self) -> str:
+        if self.fused_ops_fallback:
+            return f"torch (fused ops unavailable: {self.fused_ops_fallback})"
+        return "cpu (fused C++ ops)" if self.layer_ops.name == "cpu" else "torch"
 
     @property
     def kv_cache_bytes(self) -> int:

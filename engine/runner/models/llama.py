@@ -16,32 +16,23 @@ from torch import nn
 from engine.runner.attention.base import AttentionBackend, AttentionMetadata
 from engine.runner.attention.kv_quant import LayerKVCache
 from engine.runner.models.arch import ModelArch, rope_inv_freq
+from engine.runner.models.layer_ops import TorchOps
 
 
 class RMSNorm(nn.Module):
+    """The weight and epsilon of an RMSNorm; the arithmetic is the model's LayerOps'."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32, scale in the model dtype: what Hugging Face does (parity).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, heads, D]; cos/sin [T, 1, D/2] in x's dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, ops: TorchOps) -> None:
         super().__init__()
         self.attn_backend = attn_backend  # shared by all layers; holds no parameters
+        self.ops = ops
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -54,16 +45,14 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope_tables: object,  # ops.rope_tables(...) of this forward pass
         kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         num_qk_heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim)
-        qk = apply_rope(qk, cos, sin)  # q and k rotated in one go
+        qk = self.ops.rope(qkv, rope_tables, num_qk_heads, self.head_dim)  # q and k in one go
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, D]
@@ -71,37 +60,58 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, ops: TorchOps) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
+        self.ops = ops
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, attn_backend)
+        self.self_attn = LlamaAttention(arch, attn_backend, ops)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, ops)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        hidden: torch.Tensor,  # the previous layer's MLP output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # the residual stream before `hidden` is added; None
+        rope_tables: object,  # for layer 0, whose input is the residual stream itself
+        kv_cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it is added)."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, x = hidden, self.ops.rms_norm(hidden, norm1.weight, norm1.eps)
+        else:
+            x, residual = self.ops.add_rms_norm(hidden, residual, norm1.weight, norm1.eps)
+        attn = self.self_attn(x, rope_tables, kv_cache, meta)
+        x, residual = self.ops.add_rms_norm(attn, residual, norm2.weight, norm2.eps)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, max_positions: int, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        max_positions: int,
+        attn_backend: AttentionBackend,
+        ops: TorchOps | None = None,
+    ) -> None:
         super().__init__()
         self.arch = arch
+        self.ops = ops or TorchOps()  # engine/runner/models/layer_ops.py
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, attn_backend) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, attn_backend, self.ops) for _ in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if arch.tie_word_embeddings:
@@ -139,12 +149,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normed); logits are computed apart."""
         hidden = self.embed_tokens(input_ids)
-        dtype = hidden.dtype
-        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
-        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        rope = self.ops.rope_tables(positions, self.rope_cos, self.rope_sin, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (lm_head in the model dtype, as HF does).

@@ -1,0 +1,111 @@
+"""The small per-layer ops of the decoder (RMSNorm with its residual add, RoPE, SiLU-and-mul),
+behind one interface with two implementations:
+
+- TorchOps: plain torch, Hugging Face's arithmetic step for step (the reference; on GPUs).
+- CpuFusedOps: the C++ kernels of kernels/cpu_fused_ops.py, one call where torch takes 3-12
+  ops. On CPU a small op costs ~5 us of Python and dispatch whatever its size, and a batch-1
+  decode step of SmolLM2 ran ~1,800 of them (EngineConfig.fused_ops; off = TorchOps).
+
+The residual stream is carried beside the hidden states (`add_rms_norm` adds the sublayer's
+output into it and normalizes the sum): the same additions in the same order as
+`hidden = hidden + sublayer(norm(hidden))`, so TorchOps computes exactly what it did before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.runner.models.arch import ModelArch
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalize in float32, scale in the model dtype: what Hugging Face does (parity).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x)."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rope_tables(
+        self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What rope() needs for this forward pass's tokens: cos/sin [T, 1, D/2] in dtype."""
+        return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
+
+    def rope(self, qkv: torch.Tensor, tables, num_heads: int, head_dim: int) -> torch.Tensor:
+        """Rotate the first num_heads heads (q's and k's) of qkv [T, C]: [T, num_heads, D]."""
+        x = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+        cos, sin = tables
+        half = head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, 2I]: gate then up
+        return F.silu(gate) * up
+
+
+class CpuFusedOps(TorchOps):
+    """The C++ ops (kernels/cpu_fused_ops.py), for a model whose widths they take
+    (make_layer_ops checks); inputs are the model's own contiguous activations."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from kernels import cpu_fused_ops  # the JIT-built extension: loaded (or built) here
+
+        self.kernels = cpu_fused_ops.load_extension()
+
+    def rms_norm(self, x, weight, eps):
+        out = torch.empty_like(x)
+        self.kernels.rms_norm(out, x, weight, eps)
+        return out
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        # In place on `residual`: the model owns it (a fresh embedding output, then sums).
+        out = torch.empty_like(x)
+        self.kernels.add_rms_norm(out, x, residual, weight, eps)
+        return out, residual
+
+    def rope_tables(self, positions, cos, sin, dtype):
+        return positions, cos, sin  # the kernel reads the float32 tables by position
+
+    def rope(self, qkv, tables, num_heads, head_dim):
+        positions, cos, sin = tables
+        self.kernels.rope_(qkv, positions, cos, sin, num_heads, head_dim)  # in place
+        return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+
+    def silu_mul(self, gate_up):
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        self.kernels.silu_mul(out, gate_up)
+        return out
+
+
+def make_layer_ops(
+    fused: bool, device: torch.device, arch: ModelArch
+) -> tuple[TorchOps, str | None]:
+    """The ops for a model of `arch` on `device`, and why the fused ones are not used when
+    they were asked for and cannot be (None otherwise)."""
+    if not fused or device.type != "cpu":
+        return TorchOps(), None  # GPUs: the torch ops (CUDA graphs remove their launch costs)
+    from kernels.cpu_build import CpuKernelUnavailable
+    from kernels.cpu_fused_ops import VECTOR
+
+    if arch.hidden_size % VECTOR or arch.intermediate_size % VECTOR or arch.head_dim % 2:
+        return TorchOps(), (
+            f"hidden size {arch.hidden_size} and intermediate size {arch.intermediate_size} "
+            f"must be multiples of {VECTOR} and head_dim {arch.head_dim} even"
+        )
+    try:
+        return CpuFusedOps(), None
+    except CpuKernelUnavailable as exc:
+        return TorchOps(), str(exc)

@@ -1,0 +1,87 @@
+"""JIT builds of the C++ CPU kernels (torch.utils.cpp_extension), cached per machine.
+
+Each extension is compiled once (`-O3 -march=native -fopenmp`) and cached beside the converted
+model: TORCH_EXTENSIONS_DIR if set, else $PLAYGROUND_CACHE_DIR (or
+~/.cache/inference-playground)/torch_extensions. The build name hashes the sources, the flags,
+torch's version and this CPU's model and flags, so a cache shared between machines never loads
+a build made for another CPU's instruction set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The extension cannot be built here (no C++ compiler, or the build failed)."""
+
+
+def extensions_dir() -> Path:
+    if env := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(env)
+    root = os.environ.get("PLAYGROUND_CACHE_DIR") or Path.home() / ".cache" / "inference-playground"
+    return Path(root) / "torch_extensions"
+
+
+def _cpu_signature() -> str:
+    """This CPU's model name and flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+SIMD_HEADER = Path(__file__).with_name("cpu_simd.h")  # included by every kernel source
+
+
+def build_name(prefix: str, sources: Sequence[Path]) -> str:
+    texts = [s.read_text() for s in (*sources, SIMD_HEADER)]
+    parts = [*texts, " ".join(CFLAGS), torch.__version__]
+    parts.append(_cpu_signature())
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+    return f"{prefix}_{digest}"
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch's JIT builds with ninja. The `ninja` wheel (a project dependency) installs its
+    script beside this interpreter, which is not on PATH when the venv is not activated."""
+    if shutil.which("ninja"):
+        return
+    scripts = str(Path(sys.executable).parent)
+    os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def build_extension(prefix: str, sources: Sequence[Path]) -> ModuleType:
+    """Build (or load from the cache) the extension made of `sources`. Raises
+    CpuKernelUnavailable naming the reason when it cannot be built. Callers cache the result."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise CpuKernelUnavailable(
+            f"no C++ compiler ({compiler!r} not on PATH): install g++ (`make setup` does, as root)"
+        )
+    _ensure_ninja_on_path()
+    from torch.utils import cpp_extension
+
+    build_dir = extensions_dir() / build_name(prefix, sources)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=build_dir.name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False,
+        )  # fmt: skip
+    except (RuntimeError, OSError, ImportError) as exc:
+        names = ", ".join(s.name for s in sources)
+        raise CpuKernelUnavailable(f"building {names} failed: {exc}") from exc

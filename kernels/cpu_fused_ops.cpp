@@ -1,0 +1,258 @@
+// The small per-layer ops of a Llama decoder, fused for CPU: each replaces 3-12 torch ops (and
+// as many trips through Python and the dispatcher, ~5 us each). A batch-1 decode step of
+// SmolLM2-135M ran ~1,800 torch ops: most of its time outside the matmuls was per-op overhead,
+// not arithmetic (README, "Fused ops").
+//
+//   rms_norm:      out = w * dtype(x * rsqrt(mean(x^2) + eps))       (x widened to float32)
+//   add_rms_norm:  residual = dtype(residual + x) in place; out = rms_norm(residual)
+//   rope_:         rotate-half RoPE in place on the first `num_heads` heads of each row
+//   silu_mul:      out = dtype(silu(gate)) * up, gate_up = [gate | up] per row
+//
+// The roundings to the model dtype sit where Hugging Face's torch code has them (the residual
+// sum, the normalized activations before the weight, silu's output), so bfloat16 runs differ
+// from the torch ops only by float32 summation order and RoPE's cos/sin kept in float32 (the
+// torch path rounds them to the model dtype first). Rows are independent: parallel over rows,
+// single-threaded for a decode step's few rows (a parallel region costs more than the work).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace {
+
+using namespace cpu_simd;
+
+constexpr int64_t GRAIN_ELEMENTS = 32768;  // per thread: below this a row range runs serially
+
+inline int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(1, row_elements));
+}
+
+// 16 values of T <-> float32 lanes.
+inline f32x16 load16(const float* p) { return load_vec<f32x16>(p); }
+inline f32x16 load16(const c10::BFloat16* p) { return load_bf16x16(p); }
+inline f32x16 load16(const c10::Half* p) {
+  f32x16 v;
+  for (int i = 0; i < LANES; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+inline void store16(float* p, f32x16 v) { store_vec(p, v); }
+inline void store16(c10::BFloat16* p, f32x16 v) {
+  // Round to nearest even on the bits (c10::BFloat16's rule), NaN kept a quiet NaN.
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const u32x16 is_nan = (u32x16)(v != v);  // all ones where NaN
+  const u32x16 out = (is_nan & 0x7FC0u) | (~is_nan & rounded);
+  const u16x16 narrow = __builtin_convertvector(out, u16x16);
+  std::memcpy(p, &narrow, sizeof narrow);
+}
+inline void store16(c10::Half* p, f32x16 v) {
+  for (int i = 0; i < LANES; ++i) from_float(v[i], &p[i]);
+}
+// The model dtype's rounding of float32 lanes (identity for float32).
+template <typename T>
+inline f32x16 round_to(f32x16 v) {
+  T tmp[LANES];
+  store16(tmp, v);
+  return load16(tmp);
+}
+template <>
+inline f32x16 round_to<float>(f32x16 v) {
+  return v;
+}
+
+// One row: out = w * dtype(x * rsqrt(mean(x^2) + eps)); x already in float32 lanes (`xf`).
+template <typename T>
+inline void norm_row(const float* xf, const T* w, T* out, int64_t H, float eps) {
+  f32x16 squares{};
+  for (int64_t i = 0; i < H; i += LANES) {
+    const f32x16 v = load_vec<f32x16>(xf + i);
+    squares += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(hsum(squares) / float(H) + eps);
+  for (int64_t i = 0; i < H; i += LANES) {
+    const f32x16 normed = round_to<T>(load_vec<f32x16>(xf + i) * inv);
+    store16(out + i, load16(w + i) * normed);
+  }
+}
+
+template <typename T>
+void rms_norm_impl(torch::Tensor out, torch::Tensor x, torch::Tensor w, double eps,
+                   c10::optional<torch::Tensor> residual) {
+  const int64_t rows = x.size(0), H = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* rp = residual.has_value() ? residual->data_ptr<T>() : nullptr;
+  at::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(static_cast<size_t>(H));
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * H;
+      for (int64_t i = 0; i < H; i += LANES) {
+        f32x16 v = load16(xr + i);
+        if (rp) {  // the residual stream: dtype(residual + x), stored back, then normalized
+          v = round_to<T>(load16(rp + r * H + i) + v);
+          store16(rp + r * H + i, v);
+        }
+        store_vec(xf.data() + i, v);
+      }
+      norm_row(xf.data(), wp, op + r * H, H, float(eps));
+    }
+  });
+}
+
+template <typename T>
+void rope_impl(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+               int64_t num_heads, int64_t head_dim) {
+  const int64_t rows = x.size(0), row_stride = x.stride(0), half = head_dim / 2;
+  T* xp = x.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t vec_end = half / LANES * LANES;
+  at::parallel_for(0, rows, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + pos[r] * half;
+      const float* s = sp + pos[r] * half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* x1 = xp + r * row_stride + h * head_dim;
+        T* x2 = x1 + half;
+        for (int64_t d = 0; d < vec_end; d += LANES) {
+          const f32x16 a = load16(x1 + d), b = load16(x2 + d);
+          const f32x16 cv = load_vec<f32x16>(c + d), sv = load_vec<f32x16>(s + d);
+          store16(x1 + d, a * cv - b * sv);
+          store16(x2 + d, b * cv + a * sv);
+        }
+        for (int64_t d = vec_end; d < half; ++d) {  // head_dim not a multiple of 32
+          const float a = to_float(x1[d]), b = to_float(x2[d]);
+          from_float(a * c[d] - b * s[d], &x1[d]);
+          from_float(b * c[d] + a * s[d], &x2[d]);
+        }
+      }
+    }
+  });
+}
+
+// silu(g) = g * sigmoid(g); sigmoid through exp(-|g|) <= 1, which cannot overflow.
+inline f32x16 silu(f32x16 g) {
+  const f32x16 e = exp_nonpositive(g < 0 ? g : -g);
+  const f32x16 sigmoid = g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+  return g * sigmoid;
+}
+
+template <typename T>
+void silu_mul_impl(torch::Tensor out, torch::Tensor gate_up) {
+  const int64_t rows = gate_up.size(0), I = out.size(1);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * 2 * I;
+      for (int64_t i = 0; i < I; i += LANES) {
+        store16(op + r * I + i, round_to<T>(silu(load16(g + i))) * load16(g + I + i));
+      }
+    }
+  });
+}
+
+#define DISPATCH_MODEL_DTYPE(dtype, NAME, ...)                                   \
+  switch (dtype) {                                                               \
+    case at::kFloat: NAME<float>(__VA_ARGS__); break;                            \
+    case at::kBFloat16: NAME<c10::BFloat16>(__VA_ARGS__); break;                 \
+    case at::kHalf: NAME<c10::Half>(__VA_ARGS__); break;                         \
+    default: TORCH_CHECK(false, "float32, float16 or bfloat16 expected");       \
+  }
+
+// Checks in C++, not in the Python wrappers: a Python check costs ~3 us per call, more than
+// the op itself at decode's few rows. TORCH_CHECK_VALUE raises ValueError in Python.
+void check_rows(const char* name, const torch::Tensor& t, bool contiguous) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
+                    ": CPU [rows, cols] with a contiguous last dim expected, got ", t.sizes(),
+                    " strides ", t.strides(), " on ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+                        t.scalar_type() == at::kHalf,
+                    name, ": float32, float16 or bfloat16 expected, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(!contiguous || t.is_contiguous(), name, ": must be contiguous");
+}
+void check_like(const char* name, const torch::Tensor& t, const torch::Tensor& like) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.sizes() == like.sizes() &&
+                        t.scalar_type() == like.scalar_type() && t.is_contiguous(),
+                    name, ": contiguous CPU ", like.scalar_type(), " ", like.sizes(),
+                    " expected, got ", t.scalar_type(), " ", t.sizes());
+}
+void check_norm(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w) {
+  check_rows("x", x, true);
+  TORCH_CHECK_VALUE(x.size(1) % LANES == 0, "x: width must be a multiple of ", LANES, ", got ",
+                    x.size(1));
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == 1 && w.size(0) == x.size(1) &&
+                        w.scalar_type() == x.scalar_type() && w.is_contiguous(),
+                    "weight: contiguous ", x.scalar_type(), " [", x.size(1), "] expected, got ",
+                    w.scalar_type(), " ", w.sizes());
+  check_like("out", out, x);
+}
+
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor w, double eps) {
+  check_norm(out, x, w);
+  DISPATCH_MODEL_DTYPE(x.scalar_type(), rms_norm_impl, out, x, w, eps, c10::nullopt)
+}
+void add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor residual, torch::Tensor w,
+                  double eps) {
+  check_norm(out, x, w);
+  check_like("residual", residual, x);
+  DISPATCH_MODEL_DTYPE(x.scalar_type(), rms_norm_impl, out, x, w, eps, residual)
+}
+void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+           int64_t num_heads, int64_t head_dim) {
+  check_rows("x", x, false);
+  TORCH_CHECK_VALUE(head_dim > 0 && head_dim % 2 == 0 && num_heads >= 0 &&
+                        x.size(1) >= num_heads * head_dim,
+                    "x: ", num_heads, " heads of an even head_dim ", head_dim, " expected in ",
+                    x.size(1), " columns");
+  TORCH_CHECK_VALUE(positions.device().is_cpu() && positions.scalar_type() == at::kLong &&
+                        positions.dim() == 1 && positions.size(0) == x.size(0) &&
+                        positions.is_contiguous(),
+                    "positions: contiguous int64 [", x.size(0), "] expected, got ",
+                    positions.scalar_type(), " ", positions.sizes());
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
+                          t->size(1) == head_dim / 2 && t->is_contiguous() &&
+                          t->sizes() == cos.sizes(),
+                      "cos/sin: contiguous float32 [positions, ", head_dim / 2, "] expected, got ",
+                      t->scalar_type(), " ", t->sizes());
+  }
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < positions.size(0); ++r) {
+    TORCH_CHECK_VALUE(pos[r] >= 0 && pos[r] < cos.size(0), "positions: ", pos[r],
+                      " is outside the table's [0, ", cos.size(0), ")");
+  }
+  DISPATCH_MODEL_DTYPE(x.scalar_type(), rope_impl, x, positions, cos, sin, num_heads, head_dim)
+}
+void silu_mul(torch::Tensor out, torch::Tensor gate_up) {
+  check_rows("gate_up", gate_up, true);
+  TORCH_CHECK_VALUE(gate_up.size(1) % (2 * LANES) == 0, "gate_up: width must be a multiple of ",
+                    2 * LANES, ", got ", gate_up.size(1));
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.dim() == 2 && out.size(0) == gate_up.size(0) &&
+                        out.size(1) == gate_up.size(1) / 2 &&
+                        out.scalar_type() == gate_up.scalar_type() && out.is_contiguous(),
+                    "out: contiguous [rows, width / 2] of gate_up's dtype expected");
+  DISPATCH_MODEL_DTYPE(out.scalar_type(), silu_mul_impl, out, gate_up)
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "out = RMSNorm(x) * w");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = RMSNorm(residual) * w");
+  m.def("rope_", &rope_, "rotate-half RoPE in place on the first num_heads heads of each row");
+  m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
+}

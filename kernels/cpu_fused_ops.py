@@ -1,0 +1,76 @@
+"""Fused per-layer ops of a Llama decoder on CPU (cpu_fused_ops.cpp): the wrappers and the build.
+
+    rms_norm(x, w, eps)                  -> w * dtype(x * rsqrt(mean(x^2) + eps))
+    add_rms_norm(x, residual, w, eps)    -> residual = dtype(residual + x) (in place), then
+                                            rms_norm(residual, w, eps)
+    rope_(x, positions, cos, sin, heads, head_dim)
+                                         rotate-half RoPE in place on the first `heads` heads of
+                                         each row of x [T, >= heads * head_dim] (any row stride)
+    silu_mul(gate_up)                    -> dtype(silu(gate)) * up, gate_up = [gate | up]
+
+Each replaces 3-12 torch ops, and so as many passes through Python and the dispatcher, which
+were most of a batch-1 decode step's time outside the matmuls. The C++ side checks its inputs
+(ValueError naming the argument): a check in Python would cost more than the op at one row.
+The torch reference is engine/runner/models/layer_ops.py's TorchOps.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kernels.cpu_build import CpuKernelUnavailable, build_extension
+
+SOURCE = Path(__file__).with_name("cpu_fused_ops.cpp")
+VECTOR = 16  # float32 lanes per vector: norm widths must be multiples of it, gate_up's of 2x
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """Built on first use (~30 s), then loaded from the cache; CpuKernelUnavailable if not."""
+    return build_extension("cpu_fused_ops", [SOURCE])
+
+
+def cpu_fused_ops_status() -> str | None:
+    """None when the ops load; else why not (for a log line or the UI)."""
+    try:
+        load_extension()
+    except CpuKernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    load_extension().rms_norm(out, x, weight, eps)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Adds x into `residual` in place and returns the normalized sum."""
+    out = torch.empty_like(x)
+    load_extension().add_rms_norm(out, x, residual, weight, eps)
+    return out
+
+
+def rope_(
+    x: torch.Tensor,  # [T, >= num_heads * head_dim], rows of heads; rotated in place
+    positions: torch.Tensor,  # int64 [T]
+    cos: torch.Tensor,  # float32 [max_positions, head_dim / 2]
+    sin: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    load_extension().rope_(x, positions, cos, sin, num_heads, head_dim)
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[-1] // 2)
+    load_extension().silu_mul(out, gate_up)
+    return out

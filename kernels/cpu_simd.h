@@ -1,0 +1,118 @@
+// Portable SIMD helpers shared by the C++ CPU kernels: GCC/Clang vector extensions of 16
+// floats, lowered to one zmm, two ymm or four xmm registers by -march=native (so one source
+// serves AVX-512 and AVX2 machines), plus the scalar conversions of torch's 16-bit types.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace cpu_simd {
+
+constexpr int LANES = 16;
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+template <typename V>
+inline V load_vec(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
+  return v;
+}
+inline void store_vec(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline f32x16 bits_to_floats(u32x16 bits) {
+  f32x16 x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// 16 bfloat16 -> float32: bfloat16 is the top half of a float32, so shift the bits up.
+inline f32x16 load_bf16x16(const void* p) {
+  return bits_to_floats(__builtin_convertvector(load_vec<u16x16>(p), u32x16) << 16);
+}
+
+// 16 small integers -> float32. GCC 12 lowers a direct char-vector -> float-vector conversion
+// to 16 scalar conversions, so widen explicitly: one vpmovsxbd/vpmovzxbd with AVX-512, else
+// via 16-bit lanes (three vector steps, any x86-64 with AVX2 or less).
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+inline f32x16 to_floats(i8x16 v) {
+#if defined(__AVX512F__)
+  return __builtin_convertvector(i32x16(_mm512_cvtepi8_epi32(__m128i(v))), f32x16);
+#else
+  return __builtin_convertvector(
+      __builtin_convertvector(__builtin_convertvector(v, i16x16), i32x16), f32x16);
+#endif
+}
+inline f32x16 to_floats(u8x16 v) {
+#if defined(__AVX512F__)
+  return __builtin_convertvector(i32x16(_mm512_cvtepu8_epi32(__m128i(v))), f32x16);
+#else
+  return __builtin_convertvector(
+      __builtin_convertvector(__builtin_convertvector(v, i16x16), i32x16), f32x16);
+#endif
+}
+
+inline float hsum(f32x16 x) {
+  f32x8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for x <= 0, 16 lanes at once (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6
+// polynomial, 2^n through the exponent bits; ~1 ulp). std::exp is a scalar call: it was a
+// third of a decode step of the attention kernel. Below -87 it returns ~1e-38, not 0: next to the row's max term (1)
+// that changes nothing. n is rounded with the 1.5 * 2^23 trick (plain arithmetic, vectorizes).
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 lowest = f32x16{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  const float round_magic = 12582912.0f;
+  const f32x16 n = (x * 1.44269504088896341f + round_magic) - round_magic;
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 two_n;
+  std::memcpy(&two_n, &exponent, sizeof two_n);
+  return p * two_n;
+}
+
+inline float exp_nonpositive(float x) {
+  return exp_nonpositive(f32x16{} + x)[0];
+}
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// bfloat16 widens by shifting (vectorizes, unlike a call).
+inline float to_float(c10::BFloat16 x) { return bits_to_float(uint32_t(x.x) << 16); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, c10::BFloat16* dst) { *dst = c10::BFloat16(x); }  // RNE
+inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }
+
+}  // namespace cpu_simd

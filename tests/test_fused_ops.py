@@ -1,0 +1,156 @@
+"""The fused per-layer CPU ops (kernels/cpu_fused_ops.cpp) against their torch reference
+(engine/runner/models/layer_ops.py TorchOps), and in the engine: the same greedy tokens with the
+switch on and off, fewer torch ops per step with it on, and a stated fallback without them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
+from kernels import cpu_fused_ops
+
+REF = TorchOps()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# float32: summation order only. 16-bit: results round to the same value or a neighbour (the
+# sums of squares are added in another order; RoPE's fused tables stay float32).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def fused() -> CpuFusedOps:
+    if (why := cpu_fused_ops.cpu_fused_ops_status()) is not None:
+        pytest.skip(f"CPU fused ops unavailable: {why}")
+    return CpuFusedOps()
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    err = (actual.float() - expected.float()).abs().max().item()
+    scale = expected.float().abs().max().item()
+    assert err <= TOLERANCE[dtype] * max(scale, 1.0), f"max error {err}, scale {scale}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 96 takes the multi-threaded path
+def test_rms_norm_and_residual_add_match_torch(fused, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 96, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, 96, generator=gen).to(dtype)
+    weight = torch.randn(96, generator=gen).to(dtype)
+    _close(fused.rms_norm(x, weight, 1e-5), REF.rms_norm(x, weight, 1e-5), dtype)
+    expected_out, expected_residual = REF.add_rms_norm(x, residual, weight, 1e-5)
+    in_place = residual.clone()
+    out, new_residual = fused.add_rms_norm(x, in_place, weight, 1e-5)
+    assert new_residual is in_place  # the stream is updated where it lives
+    assert torch.equal(in_place, expected_residual)  # one rounding of the same sum: exact
+    _close(out, expected_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24])  # 24: the scalar tail (half not a multiple of 16)
+def test_rope_rotates_q_and_k_heads_in_place_and_leaves_v(fused, dtype, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    rows, rotated, total_heads, positions_len = 7, 5, 7, 40
+    qkv = torch.randn(rows, total_heads * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 3, 39, 5, 5, 17, 1])
+    freqs = torch.outer(torch.arange(positions_len).float(), torch.rand(head_dim // 2) + 0.1)
+    cos, sin = freqs.cos(), freqs.sin()
+    expected = REF.rope(qkv, REF.rope_tables(positions, cos, sin, dtype), rotated, head_dim)
+    before = qkv.clone()
+    out = fused.rope(qkv, fused.rope_tables(positions, cos, sin, dtype), rotated, head_dim)
+    assert out.data_ptr() == qkv.data_ptr()  # a view of the rotated buffer
+    _close(out, expected, dtype)
+    assert torch.equal(qkv[:, rotated * head_dim :], before[:, rotated * head_dim :])
+
+
+def test_rope_reads_a_strided_view_and_rejects_positions_outside_the_table(fused):
+    wide = torch.randn(3, 200)
+    view = wide[:, :128]  # row stride 200: the kernel honours it
+    cos, sin = torch.ones(8, 32), torch.zeros(8, 32)  # the identity rotation
+    before = wide.clone()
+    fused.rope(view, (torch.tensor([0, 1, 7]), cos, sin), 2, 64)
+    assert torch.equal(wide, before)
+    with pytest.raises(ValueError, match="positions: 8 is outside"):
+        fused.rope(view, (torch.tensor([0, 8, 1]), cos, sin), 2, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch_over_the_whole_range(fused, dtype):
+    gen = torch.Generator().manual_seed(1)
+    gate = torch.cat([torch.randn(4, 64, generator=gen) * 4, torch.full((1, 64), -100.0),
+                      torch.full((1, 64), 100.0)])  # fmt: skip
+    up = torch.randn(6, 64, generator=gen)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    _close(fused.silu_mul(gate_up), REF.silu_mul(gate_up), dtype)
+
+
+def test_bad_inputs_raise_value_errors_naming_the_argument(fused):
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="weight: contiguous"):
+        fused.rms_norm(x, torch.ones(32), 1e-5)
+    with pytest.raises(ValueError, match="x: width must be a multiple of 16"):
+        fused.rms_norm(torch.randn(2, 40), torch.ones(40), 1e-5)
+    with pytest.raises(ValueError, match="residual: contiguous"):
+        fused.add_rms_norm(x, torch.randn(3, 64), torch.ones(64), 1e-5)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        fused.rms_norm(x.double(), torch.ones(64).double(), 1e-5)
+    with pytest.raises(ValueError, match="gate_up: width must be a multiple of 32"):
+        fused.silu_mul(torch.randn(2, 48))
+
+
+# --- in the engine ---
+PROMPTS = [[(5 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate([6, 23, 3, 40])]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+COMMON = dict(
+    model="random:tiny", dtype="float32", max_num_batched_tokens=32, num_kv_blocks=48,
+    block_size=8, max_model_len=128,
+)  # fmt: skip
+
+
+def test_engine_tokens_match_with_fused_ops_on_and_off(fused):
+    results = {}
+    for on in (False, True):
+        llm = LLM(fused_ops=on, **COMMON)
+        assert llm.engine.runner.layer_ops.name == ("cpu" if on else "torch")
+        results[on] = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert llm.stats().layer_ops == ("cpu (fused C++ ops)" if on else "torch")
+    assert results[True] == results[False]
+
+
+def _torch_ops_of_one_prefill_step(llm: LLM) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0))
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
+def test_fused_ops_cut_the_torch_ops_of_a_step(fused):
+    """The mechanism the speed comes from (timings belong to benchmarks.batch1): per layer,
+    RMSNorm's ~9 ops, RoPE's ~10 and SiLU-and-mul's 3 become one call each."""
+    unfused = _torch_ops_of_one_prefill_step(LLM(fused_ops=False, **COMMON))
+    llm = LLM(fused_ops=True, **COMMON)
+    fused_count = _torch_ops_of_one_prefill_step(llm)
+    num_layers = llm.engine.runner.arch.num_layers
+    # Measured ~75 fewer per layer of random:tiny (nested ops counted).
+    assert unfused - fused_count >= 50 * num_layers, (fused_count, unfused)
+
+
+def test_without_the_extension_the_torch_ops_run_and_say_why(monkeypatch, caplog):
+    from kernels.cpu_build import CpuKernelUnavailable
+
+    def unavailable():
+        raise CpuKernelUnavailable("no C++ compiler (test)")
+
+    monkeypatch.setattr(cpu_fused_ops, "load_extension", unavailable)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(fused_ops=True, **COMMON)
+    assert llm.engine.runner.layer_ops.name == "torch"
+    assert "fused_ops: the torch ops run instead: no C++ compiler (test)" in caplog.text
+    assert llm.stats().layer_ops == "torch (fused ops unavailable: no C++ compiler (test))"
+    assert len(llm.generate(PROMPTS[:1], PARAMS)[0].token_ids) == PARAMS.max_tokens
