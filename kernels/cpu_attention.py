@@ -18,8 +18,6 @@ import torch
 from kernels.cpu_build import CpuKernelUnavailable, build_extension
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
-MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 @functools.cache
@@ -36,72 +34,6 @@ def cpu_kernel_status() -> str | None:
     except CpuKernelUnavailable as exc:
         return str(exc)
     return None
-
-
-def _check(
-    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale
-) -> None:
-    """ValueError naming the field for anything the C++ kernel would misread."""
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t.device.type != "cpu":
-            raise ValueError(f"{name}: CPU tensor expected, got {t.device}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous, strides {t.stride()}")
-    if query.dim() != 3 or query.dtype not in MODEL_DTYPES:
-        raise ValueError(
-            f"query: [tokens, heads, head_dim] float32/16, got {query.shape} {query.dtype}"
-        )
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(
-            f"k_cache: 4-d like v_cache, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
-        )
-    if query.shape[2] % 16:  # the kernel works in 16-float vectors
-        raise ValueError(f"query: head_dim must be a multiple of 16, got {query.shape[2]}")
-    if k_cache.shape[3] != query.shape[2] or query.shape[1] % k_cache.shape[2]:
-        raise ValueError(
-            f"query: heads/head_dim {tuple(query.shape[1:])} do not fit cache {tuple(k_cache.shape)}"
-        )
-    if out.shape != query.shape or out.dtype != query.dtype:
-        raise ValueError(
-            f"out: {tuple(query.shape)} {query.dtype} expected, got {tuple(out.shape)} {out.dtype}"
-        )
-    if k_cache.dtype not in (query.dtype, *QUANT_DTYPES):
-        raise ValueError(
-            f"k_cache: dtype {k_cache.dtype} must be the query's, int8 or float8_e4m3fn"
-        )
-    quantized = k_cache.dtype in QUANT_DTYPES
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if quantized != (scale is not None):
-            raise ValueError(f"{name}: needed exactly when the cache is int8 or float8_e4m3fn")
-        if scale is None:
-            continue
-        if k_cache.dtype == torch.int8 and (
-            scale.shape != k_cache.shape[:3] or scale.dtype != torch.float16
-        ):
-            raise ValueError(
-                f"{name}: float16 {tuple(k_cache.shape[:3])} expected for int8, got {scale.dtype} {tuple(scale.shape)}"
-            )
-        if k_cache.dtype == torch.float8_e4m3fn and (
-            scale.shape != k_cache.shape[2:3]
-            or scale.dtype != torch.float32
-            or not scale.is_contiguous()
-        ):
-            raise ValueError(
-                f"{name}: contiguous float32 [num_kv_heads] expected for fp8, got {scale.dtype} {tuple(scale.shape)}"
-            )
-    if block_tables.dim() != 2:
-        raise ValueError(
-            f"block_tables: [batch, max_blocks] expected, got {tuple(block_tables.shape)}"
-        )
-    batch = block_tables.shape[0]
-    for name, t, shape in (
-        ("block_tables", block_tables, None), ("seq_lens", seq_lens, (batch,)),
-        ("query_start_loc", query_start_loc, (batch + 1,)),
-    ):  # fmt: skip
-        if t.dtype != torch.int32 or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError(f"{name}: int32 CPU tensor with a contiguous last dim expected")
-        if shape is not None and tuple(t.shape) != shape:
-            raise ValueError(f"{name}: shape {shape} expected, got {tuple(t.shape)}")
 
 
 def paged_attention_prefill_cpu(
@@ -121,8 +53,7 @@ def paged_attention_prefill_cpu(
     The host reads block_tables / seq_lens directly (no device, no sync to worry about); the
     caller guarantees every block id < num_blocks and seq_len <= width x block_size (the
     engine's block manager does), as the Triton kernels' callers do."""
-    out = torch.empty_like(query) if out is None else out
-    _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale)
+    out = torch.empty_like(query) if out is None else out  # the C++ side checks every input
     load_extension().paged_attention(
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
         k_scale, v_scale,
@@ -149,3 +80,15 @@ def paged_attention_decode_cpu(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
         k_scale, v_scale,
     )  # fmt: skip
+
+
+def store_kv_cpu(
+    k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size, head_dim], contiguous
+    v_cache: torch.Tensor,
+    key: torch.Tensor,  # [tokens, num_kv_heads, head_dim], contiguous last dim
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [tokens]: block * block_size + offset
+) -> None:
+    """Write the step's K/V into a head-major 16/32-bit cache (the torch and cpu backends'
+    layout) at their slots: kernels.reference's store for that layout, in one C++ call."""
+    load_extension().store_kv(k_cache, v_cache, key, value, slot_mapping)

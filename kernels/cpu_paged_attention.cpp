@@ -25,6 +25,8 @@
 #include "cpu_simd.h"
 
 #include <algorithm>
+#include <tuple>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -261,11 +263,87 @@ void dispatch_cache(const Problem& p, const std::vector<WorkItem>& items,
 
 }  // namespace
 
-// Shapes and dtypes are checked by the Python wrapper (kernels/cpu_attention.py).
+namespace {
+
+bool is_model_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// Everything the kernel would misread, as a ValueError naming the argument. In C++ because
+// the same checks in Python cost ~8 us per call: a third of a batch-1 layer's attention.
+void check_inputs(const torch::Tensor& out, const torch::Tensor& query,
+                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                  const torch::Tensor& query_start_loc, const c10::optional<torch::Tensor>& k_scale,
+                  const c10::optional<torch::Tensor>& v_scale) {
+  const std::pair<const char*, const torch::Tensor*> views[] = {
+      {"query", &query}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"out", &out}};
+  for (const auto& [name, t] : views) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), name, ": CPU tensor expected, got ", t->device());
+    TORCH_CHECK_VALUE(t->dim() > 0 && t->stride(-1) == 1, name,
+                      ": last dim must be contiguous, strides ", t->strides());
+  }
+  TORCH_CHECK_VALUE(query.dim() == 3 && is_model_dtype(query.scalar_type()),
+                    "query: [tokens, heads, head_dim] float32/16, got ", query.sizes(), " ",
+                    query.scalar_type());
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                        k_cache.scalar_type() == v_cache.scalar_type(),
+                    "k_cache: 4-d like v_cache, got ", k_cache.sizes(), " / ", v_cache.sizes());
+  TORCH_CHECK_VALUE(query.size(2) % LANES == 0, "query: head_dim must be a multiple of 16, got ",
+                    query.size(2));
+  TORCH_CHECK_VALUE(k_cache.size(3) == query.size(2) && query.size(1) % k_cache.size(2) == 0,
+                    "query: heads/head_dim ", query.sizes().slice(1), " do not fit cache ",
+                    k_cache.sizes());
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+                    "out: ", query.sizes(), " ", query.scalar_type(), " expected, got ",
+                    out.sizes(), " ", out.scalar_type());
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  const bool quantized = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
+  TORCH_CHECK_VALUE(quantized || cache_type == query.scalar_type(), "k_cache: dtype ",
+                    cache_type, " must be the query's, int8 or float8_e4m3fn");
+  const std::pair<const char*, const c10::optional<torch::Tensor>*> scales[] = {
+      {"k_scale", &k_scale}, {"v_scale", &v_scale}};
+  for (const auto& [name, scale] : scales) {
+    TORCH_CHECK_VALUE(quantized == scale->has_value(), name,
+                      ": needed exactly when the cache is int8 or float8_e4m3fn");
+    if (!scale->has_value()) continue;
+    const torch::Tensor& t = **scale;
+    TORCH_CHECK_VALUE(t.device().is_cpu(), name, ": CPU tensor expected");
+    if (cache_type == at::kChar) {
+      TORCH_CHECK_VALUE(t.sizes() == k_cache.sizes().slice(0, 3) && t.scalar_type() == at::kHalf,
+                        name, ": float16 ", k_cache.sizes().slice(0, 3),
+                        " expected for int8, got ", t.scalar_type(), " ", t.sizes());
+    } else {
+      TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == k_cache.size(2) &&
+                            t.scalar_type() == at::kFloat && t.is_contiguous(),
+                        name, ": contiguous float32 [num_kv_heads] expected for fp8, got ",
+                        t.scalar_type(), " ", t.sizes());
+    }
+  }
+  TORCH_CHECK_VALUE(block_tables.dim() == 2, "block_tables: [batch, max_blocks] expected, got ",
+                    block_tables.sizes());
+  const int64_t batch = block_tables.size(0);
+  const std::tuple<const char*, const torch::Tensor*, int64_t> ints[] = {
+      {"block_tables", &block_tables, -1},
+      {"seq_lens", &seq_lens, batch},
+      {"query_start_loc", &query_start_loc, batch + 1}};
+  for (const auto& [name, t, length] : ints) {
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kInt && t->device().is_cpu() && t->dim() > 0 &&
+                          t->stride(-1) == 1,
+                      name, ": int32 CPU tensor with a contiguous last dim expected");
+    TORCH_CHECK_VALUE(length < 0 || (t->dim() == 1 && t->size(0) == length), name, ": shape (",
+                      length, ",) expected, got ", t->sizes());
+  }
+}
+
+}  // namespace
+
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
                      torch::Tensor query_start_loc, double scale,
                      c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  check_inputs(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale,
+               v_scale);
   Problem p;
   p.k = cache_view(k_cache);
   p.v = cache_view(v_cache);
@@ -302,7 +380,56 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
   }
 }
 
+// The step's new K and V [T, Hkv, D] (any strides, contiguous last dim: views of the qkv
+// projection) into a head-major cache [Hkv, blocks, block_size, D] of the same dtype at
+// slot_mapping[t] (slot = block * block_size + offset). One call for K and V: the torch
+// path's transposes, flattens and two index_copy_ were ~10 ops per layer. Quantized caches
+// keep the torch path (the values are quantized first).
+void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK_VALUE(k_cache.device().is_cpu() && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                        v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
+                        v_cache.scalar_type() == k_cache.scalar_type(),
+                    "k_cache: contiguous [Hkv, blocks, block_size, D] like v_cache expected, got ",
+                    k_cache.sizes(), " / ", v_cache.sizes());
+  const int64_t heads = k_cache.size(0), head_dim = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
+  for (const auto* t : {&k, &v}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() == 3 && t->size(1) == heads &&
+                          t->size(2) == head_dim && t->stride(2) == 1 &&
+                          t->scalar_type() == k_cache.scalar_type() && t->sizes() == k.sizes(),
+                      "k/v: [tokens, ", heads, ", ", head_dim, "] of the cache's dtype with a "
+                      "contiguous last dim expected, got ", t->scalar_type(), " ", t->sizes());
+  }
+  TORCH_CHECK_VALUE(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                        slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
+                        slot_mapping.is_contiguous(),
+                    "slot_mapping: contiguous int64 [", k.size(0), "] expected, got ",
+                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping: slot ", slots[t],
+                      " is outside the cache's [0, ", num_slots, ")");
+  }
+  const size_t row_bytes = size_t(head_dim) * k_cache.element_size();
+  const std::pair<const torch::Tensor*, torch::Tensor*> pairs[] = {{&k, &k_cache},
+                                                                   {&v, &v_cache}};
+  for (const auto& [src, dst] : pairs) {
+    const char* from = static_cast<const char*>(src->data_ptr());
+    char* to = static_cast<char*>(dst->data_ptr());
+    const int64_t token_stride = src->stride(0) * src->element_size();
+    const int64_t head_stride = src->stride(1) * src->element_size();
+    for (int64_t t = 0; t < src->size(0); ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(to + (h * num_slots + slots[t]) * row_bytes,
+                    from + t * token_stride + h * head_stride, row_bytes);
+      }
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Paged attention over a block-table KV cache, in place (decode and prefill)");
+  m.def("store_kv", &store_kv, "New K/V rows into a head-major paged cache at their slots");
 }

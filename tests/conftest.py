@@ -7,13 +7,15 @@ import pytest
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the CPU attention kernel before the first test (about a minute, once per machine,
-    then cached): attention_backend="auto" uses it on CPU, and no test's own timeout (a server
-    start, a subprocess) should pay for the compile. Without a compiler this returns the reason
-    and the engines run the torch path, as they would for a user."""
+    """Build the C++ CPU kernels before the first test (about 30 s each, once per machine,
+    then cached): attention_backend="auto" and fused_ops use them on CPU, and no test's own
+    timeout (a server start, a subprocess) should pay for the compile. Without a compiler
+    these return the reason and the engines run the torch path, as they would for a user."""
     from kernels.cpu_attention import cpu_kernel_status
+    from kernels.cpu_fused_ops import cpu_fused_ops_status
 
     cpu_kernel_status()
+    cpu_fused_ops_status()
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from kernels.cpu_attention import (
     cpu_kernel_status,
     paged_attention_decode_cpu,
     paged_attention_prefill_cpu,
+    store_kv_cpu,
 )
 from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref
 
@@ -150,3 +151,28 @@ def test_bad_inputs_name_the_field():
             kwargs["out"] = torch.empty_like(kwargs["query"])
         with pytest.raises(ValueError, match=f"^{field}:"):
             paged_attention_decode_cpu(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_store_kv_writes_what_the_torch_store_writes(dtype):
+    from engine.runner.attention.kv_quant import LayerKVCache
+    from engine.runner.attention.torch_backend import store_kv, store_rows
+
+    heads, blocks, bs, dim, tokens = 3, 6, 4, 32, 5
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(tokens, (4 + 2 * heads) * dim, generator=gen).to(dtype)
+    k = qkv[:, 4 * dim : (4 + heads) * dim].view(tokens, heads, dim)  # strided views, as the
+    v = qkv[:, (4 + heads) * dim :].view(tokens, heads, dim)  # model hands them over
+    slots = torch.tensor([0, 7, 23, 12, 5])
+    expected = [torch.full((heads, blocks, bs, dim), float("nan"), dtype=dtype) for _ in "kv"]
+    store_kv(LayerKVCache(*expected), k, v, store_rows(slots, heads, blocks * bs))
+    actual = [torch.full_like(expected[0], float("nan")) for _ in "kv"]
+    store_kv_cpu(*actual, k, v, slots)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(a.nan_to_num(), e.nan_to_num())
+        assert torch.equal(a.isnan(), e.isnan())  # no other slot touched
+    with pytest.raises(ValueError, match="slot_mapping: slot 24 is outside"):
+        store_kv_cpu(*actual, k, v, torch.tensor([0, 1, 2, 3, 24]))
+    with pytest.raises(ValueError, match="k/v:"):
+        store_kv_cpu(*actual, k.float() if dtype != F32 else k.half(), v, slots)
+

@@ -49,9 +49,10 @@ class CpuBackend(TorchBackend):
             self.fallback_reason = f"the C++ kernel runs on CPU tensors, not {self.device.type}"
         else:
             # Imported here: `kernels` imports Triton, which the torch path must not need.
-            from kernels.cpu_attention import cpu_kernel_status
+            from kernels.cpu_attention import cpu_kernel_status, load_extension
 
             self.fallback_reason = cpu_kernel_status()  # builds once per machine (~1 min)
+            self.kernels = None if self.fallback_reason else load_extension()
         if self.fallback_reason:
             log.warning("attention_backend='cpu' runs the torch path: %s", self.fallback_reason)
 
@@ -86,7 +87,10 @@ class CpuBackend(TorchBackend):
         self.calculate_kv_scales_(k, v, cache, meta)  # fp8's first batch: before the store
         if not isinstance(meta, CpuAttentionMetadata):  # the fallback's metadata
             return torch_attention(q, k, v, cache, meta, scale)
-        store_kv(cache, k, v, meta.store_index)
+        if cache.key_scale is None:  # 16/32-bit K/V: one C++ call stores both
+            self.kernels.store_kv(cache.key, cache.value, k, v, meta.slot_mapping)
+        else:  # quantized on the way in: the torch path's store
+            store_kv(cache, k, v, meta.store_index)
         out = torch.empty_like(q)
         if meta.seq_lens.numel() == 0:
             return out
@@ -96,10 +100,10 @@ class CpuBackend(TorchBackend):
             (s.permute(1, 2, 0) if int8_scales else s)
             for s in (cache.key_scale, cache.value_scale)
         )  # fmt: skip
-        from kernels.cpu_attention import paged_attention_prefill_cpu
-
-        return paged_attention_prefill_cpu(
-            q, cache.key.permute(1, 2, 0, 3), cache.value.permute(1, 2, 0, 3),
-            meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out=out,
-            k_scale=k_scale, v_scale=v_scale,
+        # The extension checks every argument (kernels/cpu_attention.py's functions are the
+        # same calls, documented): called directly, one Python frame less per layer.
+        self.kernels.paged_attention(
+            out, q, cache.key.permute(1, 2, 0, 3), cache.value.permute(1, 2, 0, 3),
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, k_scale, v_scale,
         )  # fmt: skip
+        return out
