@@ -80,7 +80,7 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] < self.dequant_min_rows:
-            y = self.weight_only_mm(x2.contiguous())
+            y = self.weight_only_mm(x2.contiguous())  # x's dtype: the model's, as the scales
         else:
             y = self.dequant_mm(x2)
         if self.bias is not None:
@@ -121,13 +121,17 @@ class Int8Linear(QuantLinear):
         super().__init__(n, k, bias, scratch, dequant_min_rows)
         self.register_buffer("qweight", w.qweight.contiguous())  # int8 [N, K]
         self.register_buffer("scales", w.scales.to(dtype))  # [N], the kernel wants x's dtype
+        if self.weight_only_kernel == "cpu" and dequant_min_rows > 0:  # the checks, once
+            int8_weight_only_mm(torch.zeros(1, k, dtype=dtype), self.qweight, self.scales)
 
     def weight_only_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_only_kernel == "triton":
             from kernels.w8a16_gemm import w8a16_gemm  # imports Triton: only when used
 
             return w8a16_gemm(x, self.qweight, self.scales)
-        return int8_weight_only_mm(x, self.qweight, self.scales)
+        # aten directly: int8_weight_only_mm's checks on the weight ran once, at load (their
+        # ~4 us per call were a tenth of a batch-1 step's matmul time).
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
         out.copy_(self.qweight[start:end])
@@ -147,6 +151,9 @@ class Int4Linear(QuantLinear):
         zf = (8 - w.zeros.float()) * w.scales
         scale_and_zero = torch.stack([w.scales.t(), zf.t()], dim=-1)  # [K/G, N, 2]
         self.register_buffer("scale_and_zero", scale_and_zero.to(dtype).contiguous())
+        if self.weight_only_kernel == "cpu" and dequant_min_rows > 0:  # the checks, once
+            x = torch.zeros(1, k, dtype=dtype)
+            int4_weight_only_mm(x, self.packed, self.scale_and_zero, self.group_size)
 
     def weight_only_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_only_kernel == "triton":
@@ -155,7 +162,10 @@ class Int4Linear(QuantLinear):
             if not w4a16_supports(self.out_features, self.group_size):
                 return self.dequant_mm(x)
             return w4a16_gemm(x, self.packed, self.scale_and_zero, self.group_size)
-        return int4_weight_only_mm(x, self.packed, self.scale_and_zero, self.group_size)
+        # aten directly: int4_weight_only_mm's checks ran once, at load (see Int8Linear).
+        return torch._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group_size, self.scale_and_zero
+        )
 
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
         # start is a multiple of 64 (chunk_rows), so the rows' bytes are whole packed blocks
