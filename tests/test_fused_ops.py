@@ -154,3 +154,21 @@ def test_without_the_extension_the_torch_ops_run_and_say_why(monkeypatch, caplog
     assert "fused_ops: the torch ops run instead: no C++ compiler (test)" in caplog.text
     assert llm.stats().layer_ops == "torch (fused ops unavailable: no C++ compiler (test))"
     assert len(llm.generate(PROMPTS[:1], PARAMS)[0].token_ids) == PARAMS.max_tokens
+
+
+def test_compare_preset_and_side_config_switch_the_fused_ops():
+    from engine import EngineConfig
+    from playground.handlers.compare_engine import (
+        FUSED_OPS_PRESET,
+        PRESET_DEFAULTS,
+        preset_sides,
+        side_config,
+        side_label,
+    )
+
+    a, b = preset_sides(FUSED_OPS_PRESET)
+    base = EngineConfig(model="random:tiny", dtype="bfloat16")
+    assert side_config(base, a, 1024, 256, head_dim=64).fused_ops is False
+    assert side_config(base, b, 1024, 256, head_dim=64).fused_ops is True
+    assert side_label("B", b, a) == "B: fused_ops=True"
+    assert PRESET_DEFAULTS[FUSED_OPS_PRESET].headline == "Mean TPOT (ms)"

@@ -38,6 +38,7 @@ SIDE_FIELDS = (
     "max_num_batched_tokens",
     "quantization",
     "prepack_weights",
+    "fused_ops",
 )
 BLOCK_SIZES = (8, 16, 32, 64)
 DEFAULT_SIDE: dict[str, Any] = {
@@ -52,8 +53,10 @@ DEFAULT_SIDE: dict[str, Any] = {
     "max_num_batched_tokens": 256,
     "quantization": "none",
     "prepack_weights": True,
+    "fused_ops": True,
 }
 PREPACK_PRESET = "bf16 weights reordered per matmul vs prepacked"
+FUSED_OPS_PRESET = "norm/RoPE/SiLU as torch ops vs fused C++ ops"
 KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
 N_SHARING_PRESET = "n=4 with vs without prompt sharing"
 AWQ_PRESET = "int4 RTN vs AWQ weights (after bf16 vs int4)"
@@ -105,6 +108,12 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     PREPACK_PRESET: (
         {"prepack_weights": False, "max_num_seqs": 1},
         {"prepack_weights": True, "max_num_seqs": 1},
+    ),
+    # CPU: a small op costs ~5 us of Python and dispatch whatever its size; at batch 1 the
+    # ~60 small ops per layer are a large share of a step.
+    FUSED_OPS_PRESET: (
+        {"fused_ops": False, "max_num_seqs": 1},
+        {"fused_ops": True, "max_num_seqs": 1},
     ),
     KV_QUANT_PRESET: ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "int8"}),
     # 16 slots: the 4 prompts' 4 samples all run at once on both sides.
@@ -242,6 +251,10 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # weight reorder oneDNN does per call is most of it. "Same tokens as A" shows that
     # prepacking changes no number. (On a GPU or in float32 both sides run the same path.)
     PREPACK_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    # The same one-request-at-a-time workload. In bfloat16 the fused ops round like torch's
+    # but sum in another order (and keep RoPE's tables in float32), so "Same tokens as A" can
+    # show a near-tie flipped; in float32 the engine's tokens are identical (tested).
+    FUSED_OPS_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     # Long contexts: 8 requests of 224 + 32 tokens need 128 blocks of 16. The 1152-token
     # budget is 72 blocks in bfloat16 (4 requests at a time: the rest wait or are preempted)
     # and 139 in int8 (1 byte + a 2-byte scale per 64 values: 1.94x), so all 8 run at once.
@@ -364,6 +377,7 @@ def side_config(
         enable_prefix_caching=prefix_caching,
         enable_prompt_sharing=bool(side.get("enable_prompt_sharing", True)),
         prepack_weights=bool(side.get("prepack_weights", True)),
+        fused_ops=bool(side.get("fused_ops", True)),
         speculative_method=method,
         speculative_quantization=COMPARE_DRAFT_QUANTIZATION
         if method == "draft"

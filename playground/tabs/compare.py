@@ -107,6 +107,10 @@ def _side_form(name: str, values: dict) -> dict:
         value=values["prepack_weights"],
         label="Prepacked weights (CPU, bf16: reordered for oneDNN once at load, not per matmul)",
     )
+    parts["fused_ops"] = gr.Checkbox(
+        value=values["fused_ops"],
+        label="Fused ops (CPU: RMSNorm + residual add, RoPE, SiLU-and-mul as one C++ call each)",
+    )
     return {f: parts[f] for f in SIDE_FIELDS}
 
 
