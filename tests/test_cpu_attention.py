@@ -175,4 +175,3 @@ def test_store_kv_writes_what_the_torch_store_writes(dtype):
         store_kv_cpu(*actual, k, v, torch.tensor([0, 1, 2, 3, 24]))
     with pytest.raises(ValueError, match="k/v:"):
         store_kv_cpu(*actual, k.float() if dtype != F32 else k.half(), v, slots)
-
