@@ -2,6 +2,7 @@
 
     python -m benchmarks.batch1                        # embedded SmolLM2-135M, bfloat16
     python -m benchmarks.batch1 --vary prepack_weights=true,false
+    python -m benchmarks.batch1 --vary fused_ops=true,false
     python -m benchmarks.batch1 --vary quantization=none,int8,int4
 
 One user, one request at a time (a chat, an agent loop): each prompt (--prompt-len tokens) is
@@ -10,7 +11,7 @@ Measured per engine: TPOT (median over the prompts of each request's time per ou
 after the first) and TTFT. Engines, in this order, each built afresh in this process:
 - ours with the flags given, once per value of `--vary FIELD=V1,V2,...` (the first value is
   the baseline the others are compared with; e.g. prepack_weights=true,false: the oneDNN weight
-  prepacking and its "before");
+  prepacking and its "before"; fused_ops=true,false: the C++ norm/RoPE/SiLU ops and theirs);
 - Hugging Face transformers `generate` on the same weights and dtype (one request at a time).
 The floor: a decode step reads every weight it multiplies by once (the cost model's bytes per
 step, engine/telemetry/cost.py), so TPOT >= those bytes / bandwidth, with the bandwidth from
