@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu_build import CpuKernelUnavailable, build_extension
+from kernels.cpu_build import build_extension, unavailable_reason
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 
@@ -28,12 +28,8 @@ def load_extension() -> ModuleType:
 
 
 def cpu_kernel_status() -> str | None:
-    """None when the kernel loads; else why not (for a log line or the UI)."""
-    try:
-        load_extension()
-    except CpuKernelUnavailable as exc:
-        return str(exc)
-    return None
+    """None when the kernel load; else why not (for a log line or the UI)."""
+    return unavailable_reason(load_extension)
 
 
 def paged_attention_prefill_cpu(

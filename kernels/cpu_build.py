@@ -10,17 +10,20 @@ a build made for another CPU's instruction set.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+log = logging.getLogger(__name__)
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -64,6 +67,15 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def unavailable_reason(load: Callable[[], ModuleType]) -> str | None:
+    """None when `load()` gives the extension; else why it cannot (for a log line or the UI)."""
+    try:
+        load()
+    except CpuKernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def build_extension(prefix: str, sources: Sequence[Path]) -> ModuleType:
     """Build (or load from the cache) the extension made of `sources`. Raises
     CpuKernelUnavailable naming the reason when it cannot be built. Callers cache the result."""
@@ -77,6 +89,8 @@ def build_extension(prefix: str, sources: Sequence[Path]) -> ModuleType:
 
     build_dir = extensions_dir() / build_name(prefix, sources)
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{build_dir.name}.so").exists():  # say why start-up pauses, once
+        log.info("compiling %s for this CPU (~30 s, once; cached in %s)", prefix, build_dir)
     try:
         return cpp_extension.load(
             name=build_dir.name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu_build import CpuKernelUnavailable, build_extension
+from kernels.cpu_build import build_extension, unavailable_reason
 
 SOURCE = Path(__file__).with_name("cpu_fused_ops.cpp")
 VECTOR = 16  # float32 lanes per vector: norm widths must be multiples of it, gate_up's of 2x
@@ -36,11 +36,7 @@ def load_extension() -> ModuleType:
 
 def cpu_fused_ops_status() -> str | None:
     """None when the ops load; else why not (for a log line or the UI)."""
-    try:
-        load_extension()
-    except CpuKernelUnavailable as exc:
-        return str(exc)
-    return None
+    return unavailable_reason(load_extension)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -68,7 +68,7 @@ inline void load_row<float>(const float* src, int n, float scale, float* dst) {
 template <>
 inline void load_row<int8_t>(const int8_t* src, int n, float scale, float* dst) {
   for (int d = 0; d < n; d += LANES) {
-    store_vec(dst + d, __builtin_convertvector(load_vec<i8x16>(src + d), f32x16) * scale);
+    store_vec(dst + d, to_floats(load_vec<i8x16>(src + d)) * scale);
   }
 }
 template <>

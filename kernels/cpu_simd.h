@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -44,21 +45,19 @@ inline f32x16 load_bf16x16(const void* p) {
   return bits_to_floats(__builtin_convertvector(load_vec<u16x16>(p), u32x16) << 16);
 }
 
-// 16 small integers -> float32. GCC 12 lowers a direct char-vector -> float-vector conversion
-// to 16 scalar conversions, so widen explicitly: one vpmovsxbd/vpmovzxbd with AVX-512, else
-// via 16-bit lanes (three vector steps, any x86-64 with AVX2 or less).
+// 16 small integers (int8 or uint8 lanes) -> float32. GCC 12 lowers a direct char-vector ->
+// float-vector conversion to 16 scalar conversions, so widen explicitly: one vpmovsxbd /
+// vpmovzxbd with AVX-512, else via 16-bit lanes (three vector steps, any x86-64).
 typedef int16_t i16x16 __attribute__((vector_size(32)));
-inline f32x16 to_floats(i8x16 v) {
+template <typename V>
+inline f32x16 to_floats(V v) {
+  static_assert(std::is_same_v<V, i8x16> || std::is_same_v<V, u8x16>, "int8 or uint8 lanes");
 #if defined(__AVX512F__)
-  return __builtin_convertvector(i32x16(_mm512_cvtepi8_epi32(__m128i(v))), f32x16);
-#else
-  return __builtin_convertvector(
-      __builtin_convertvector(__builtin_convertvector(v, i16x16), i32x16), f32x16);
-#endif
-}
-inline f32x16 to_floats(u8x16 v) {
-#if defined(__AVX512F__)
-  return __builtin_convertvector(i32x16(_mm512_cvtepu8_epi32(__m128i(v))), f32x16);
+  if constexpr (std::is_same_v<V, i8x16>) {
+    return __builtin_convertvector(i32x16(_mm512_cvtepi8_epi32(__m128i(v))), f32x16);
+  } else {
+    return __builtin_convertvector(i32x16(_mm512_cvtepu8_epi32(__m128i(v))), f32x16);
+  }
 #else
   return __builtin_convertvector(
       __builtin_convertvector(__builtin_convertvector(v, i16x16), i32x16), f32x16);

@@ -81,8 +81,10 @@ def test_each_sample_equals_a_single_run_with_its_seed(llm, temperature):
     for i, out in enumerate(outs):
         alone = llm.generate(PROMPT, SamplingParams(seed=11 + i, prompt_logprobs=1, **params))[0]
         assert out.token_ids == alone.token_ids, f"sample {i}"
+        # float32: 3 rows and 1 row take different matmul blocking, so the logprobs agree to
+        # float32 rounding carried through the layers (measured up to 3.5e-6 relative).
         assert [lp.logprob for lp in out.logprobs] == pytest.approx(
-            [lp.logprob for lp in alone.logprobs], abs=1e-5
+            [lp.logprob for lp in alone.logprobs], rel=1e-5, abs=1e-5
         )
         assert [p and p.token_id for p in out.prompt_logprobs] == [
             p and p.token_id for p in alone.prompt_logprobs
