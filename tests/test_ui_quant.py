@@ -94,16 +94,18 @@ def test_quantization_presets_and_side_configs():
 
 
 def test_info_fields_are_what_engine_info_reads():
-    from playground.engine_info import engine_info
+    from playground.engine_info import describe, engine_info
 
     stats = SimpleNamespace(num_kv_blocks=64, kv_cache_bytes=1 << 20, kv_cache_dtype="bfloat16",
-                            attention_backend="cpu")  # fmt: skip
+                            attention_backend="cpu", layer_ops="cpu (fused C++ ops)")  # fmt: skip
     service = SimpleNamespace(model_name="m", config=INT4, model_shape=SHAPE, device="cpu",
                               dtype="bfloat16", max_model_len=1024, weight_bytes=123,
                               stats=lambda: stats)  # fmt: skip
     info = engine_info(service)
     assert (info.weight_bytes, info.kv_cache_dtype) == (123, "bfloat16")
     assert info.attention_backend == "cpu"
+    assert info.layer_ops == "cpu (fused C++ ops)"
+    assert "attention cpu, norm/RoPE/SiLU cpu (fused C++ ops)" in describe(info)
 
 
 def test_compare_sides_score_held_out_perplexity_through_the_engine():
