@@ -165,6 +165,64 @@ void silu_mul_impl(torch::Tensor out, torch::Tensor gate_up) {
   });
 }
 
+// --- dequantization for the many-rows path of quantized linears (engine/runner/quant) ---
+// At many rows a quantized layer multiplies by its weight dequantized into a 16-bit scratch
+// (the weight-only kernels are compute-bound there). The torch path took ~8 passes over the
+// 16-bit size (unpack, two strided copies, a cast, a scale, an offset); these take one.
+
+// int4 (kernels/int4_pack.py's layout, whole 64-row blocks) -> the TRANSPOSED weight
+// wt [K, N] (y = x @ wt): one packed k of a block holds its 64 rows' values, which are 64
+// consecutive elements of wt's row k, so every store is a whole vector. w = q * s + o with
+// o = zf - 8 s per (group, row), converted once per group and block.
+template <typename T>
+void dequant_int4_impl(torch::Tensor wt, torch::Tensor packed, torch::Tensor scale_and_zero,
+                       int64_t group_size, int64_t row_start, int64_t rows) {
+  const int64_t K = wt.size(0), N = scale_and_zero.size(1), ld = wt.stride(0);
+  const int64_t blocks = rows / 64, groups = K / group_size;
+  const uint8_t* pk = packed.data_ptr<uint8_t>() + row_start * K / 2;
+  const T* sz = scale_and_zero.data_ptr<T>();
+  T* out = wt.data_ptr<T>();
+  at::parallel_for(0, groups * blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float scale[64], offset[64];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / blocks, b = item % blocks;
+      const int64_t n0 = row_start + b * 64;
+      for (int j = 0; j < 64; ++j) {
+        scale[j] = to_float(sz[(g * N + n0 + j) * 2]);
+        offset[j] = to_float(sz[(g * N + n0 + j) * 2 + 1]) - 8.0f * scale[j];
+      }
+      const uint8_t* block = pk + b * 64 * K / 2;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+        const u8x16 lo = load_vec<u8x16>(block + k * 32), hi = load_vec<u8x16>(block + k * 32 + 16);
+        const f32x16 q[4] = {to_floats(u8x16(lo & 15)), to_floats(u8x16(hi & 15)),
+                             to_floats(u8x16(lo >> 4)), to_floats(u8x16(hi >> 4))};
+        T* dst = out + k * ld + b * 64;
+        for (int j = 0; j < 4; ++j) {
+          store16(dst + j * LANES, q[j] * load_vec<f32x16>(scale + j * LANES) +
+                                       load_vec<f32x16>(offset + j * LANES));
+        }
+      }
+    }
+  });
+}
+
+// int8 [rows, K] with per-row scales -> w [rows, K] = q * s (one pass, row-major).
+template <typename T>
+void dequant_int8_impl(torch::Tensor w, torch::Tensor qweight, torch::Tensor scales) {
+  const int64_t rows = w.size(0), K = w.size(1);
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const T* sp = scales.data_ptr<T>();
+  T* out = w.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(K), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float sc = to_float(sp[r]);
+      for (int64_t k = 0; k < K; k += LANES) {
+        store16(out + r * K + k, to_floats(load_vec<i8x16>(q + r * K + k)) * sc);
+      }
+    }
+  });
+}
+
 #define DISPATCH_MODEL_DTYPE(dtype, NAME, ...)                                   \
   switch (dtype) {                                                               \
     case at::kFloat: NAME<float>(__VA_ARGS__); break;                            \
@@ -248,6 +306,47 @@ void silu_mul(torch::Tensor out, torch::Tensor gate_up) {
   DISPATCH_MODEL_DTYPE(out.scalar_type(), silu_mul_impl, out, gate_up)
 }
 
+void dequant_int4(torch::Tensor wt, torch::Tensor packed, torch::Tensor scale_and_zero,
+                  int64_t group_size, int64_t row_start, int64_t rows) {
+  TORCH_CHECK_VALUE(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                        packed.dim() == 2 && packed.is_contiguous(),
+                    "packed: contiguous uint8 [N, K/2] expected");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % LANES == 0 && K % group_size == 0,
+                    "group_size: a multiple of 16 dividing K = ", K, " expected, got ",
+                    group_size);
+  TORCH_CHECK_VALUE(row_start >= 0 && rows > 0 && row_start % 64 == 0 && rows % 64 == 0 &&
+                        row_start + rows <= N / 64 * 64,
+                    "rows: whole 64-row blocks inside N = ", N, " expected, got [", row_start,
+                    ", ", row_start + rows, ")");
+  TORCH_CHECK_VALUE(scale_and_zero.device().is_cpu() && scale_and_zero.dim() == 3 &&
+                        scale_and_zero.size(0) == K / group_size && scale_and_zero.size(1) == N &&
+                        scale_and_zero.size(2) == 2 && scale_and_zero.is_contiguous(),
+                    "scale_and_zero: contiguous [K/G, N, 2] expected, got ",
+                    scale_and_zero.sizes());
+  TORCH_CHECK_VALUE(wt.device().is_cpu() && wt.dim() == 2 && wt.size(0) == K &&
+                        wt.size(1) == rows && wt.stride(1) == 1 &&
+                        wt.scalar_type() == scale_and_zero.scalar_type(),
+                    "wt: [K, rows] of scale_and_zero's dtype with contiguous rows expected, got ",
+                    wt.scalar_type(), " ", wt.sizes());
+  DISPATCH_MODEL_DTYPE(wt.scalar_type(), dequant_int4_impl, wt, packed, scale_and_zero,
+                       group_size, row_start, rows)
+}
+
+void dequant_int8(torch::Tensor w, torch::Tensor qweight, torch::Tensor scales) {
+  TORCH_CHECK_VALUE(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar &&
+                        qweight.dim() == 2 && qweight.is_contiguous() &&
+                        qweight.size(1) % LANES == 0,
+                    "qweight: contiguous int8 [rows, K], K a multiple of 16, expected");
+  TORCH_CHECK_VALUE(scales.device().is_cpu() && scales.dim() == 1 &&
+                        scales.size(0) == qweight.size(0) && scales.is_contiguous(),
+                    "scales: contiguous [rows] expected");
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.sizes() == qweight.sizes() && w.is_contiguous() &&
+                        w.scalar_type() == scales.scalar_type(),
+                    "w: contiguous [rows, K] of the scales' dtype expected");
+  DISPATCH_MODEL_DTYPE(w.scalar_type(), dequant_int8_impl, w, qweight, scales)
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -255,4 +354,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = RMSNorm(residual) * w");
   m.def("rope_", &rope_, "rotate-half RoPE in place on the first num_heads heads of each row");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
+  m.def("dequant_int4", &dequant_int4, "int4 blocks -> the transposed 16/32-bit weight [K, rows]");
+  m.def("dequant_int8", &dequant_int8, "int8 rows * per-row scales -> 16/32-bit rows");
 }

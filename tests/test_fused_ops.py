@@ -121,6 +121,24 @@ def test_engine_tokens_match_with_fused_ops_on_and_off(fused):
     assert results[True] == results[False]
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_layers_dequantize_in_one_pass_with_the_fused_ops(fused, quantization):
+    """The C++ dequantization moves the weight-only kernel's crossover down (apply.py)."""
+    from engine.runner.quant.apply import CPU_DEQUANT_MIN_ROWS, CPU_FUSED_DEQUANT_MIN_ROWS
+    from engine.runner.quant.linear import QuantLinear, cpu_int4_layout_matches
+
+    # 0: this CPU's aten int4 kernel packs another way, so every call dequantizes.
+    no_kernel = quantization == "int4" and not cpu_int4_layout_matches()
+    for on in (True, False):
+        runner = LLM(quantization=quantization, fused_ops=on, **COMMON).engine.runner
+        layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+        rows = CPU_FUSED_DEQUANT_MIN_ROWS if on else CPU_DEQUANT_MIN_ROWS[quantization]
+        rows = 0 if no_kernel else rows
+        assert runner.quant_summary.dequant_min_rows == rows
+        assert all(m.dequant_min_rows == rows for m in layers)
+        assert all((m.cpu_kernels is not None) is on for m in layers)
+
+
 def _torch_ops_of_one_prefill_step(llm: LLM) -> int:
     from torch.profiler import ProfilerActivity, profile
 

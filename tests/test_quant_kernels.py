@@ -141,6 +141,36 @@ def test_layer_paths_match_dequantized_reference(dtype, num_rows, scratch_elemen
         _assert_close(y, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scratch_rows", [384, 128])  # the whole weight, or 64-row chunks
+def test_cpu_one_pass_dequantization_matches_the_reference(dtype, scratch_rows):
+    """The C++ dequantization (kernels/cpu_fused_ops.cpp, fused_ops=True) on the many-rows
+    path: int8 rows, int4 written transposed and multiplied as x @ W.T, also in chunks."""
+    from kernels.cpu_fused_ops import cpu_fused_ops_status, load_extension
+
+    if (why := cpu_fused_ops_status()) is not None:
+        pytest.skip(f"CPU fused ops unavailable: {why}")
+    w, bias = _weight(384, 128, seed=5), torch.randn(384).to(dtype)
+    scratch = DequantScratch(scratch_rows * 128, dtype, torch.device("cpu"))
+    layers = [Int8Linear(quantize_int8(w), bias, dtype, scratch, 0),
+              Int4Linear(quantize_int4(w, 32), bias, dtype, scratch, 0)]  # fmt: skip
+    x = torch.randn(3, 20, 128).to(dtype)
+    for layer in layers:
+        layer.cpu_kernels = None
+        torch_path = layer(x)
+        layer.cpu_kernels = load_extension()
+        y = layer(x)
+        ref = x.float() @ layer.dequantized_weight().t() + layer.bias.float()
+        _assert_close(y, ref, dtype)
+        _assert_close(y, torch_path.float(), dtype)
+    int4 = layers[1]
+    wt = torch.empty(128, 384, dtype=dtype)
+    load_extension().dequant_int4(wt, int4.packed, int4.scale_and_zero, 32, 0, 384)
+    _assert_close(wt.t(), int4.dequantized_weight(), dtype)
+    with pytest.raises(ValueError, match="rows: whole 64-row blocks"):
+        load_extension().dequant_int4(wt, int4.packed, int4.scale_and_zero, 32, 0, 100)
+
+
 def test_weight_bytes_count_scales_and_zeros():
     int8, int4 = _layers(torch.bfloat16, 336 * 128)
     assert int8.weight_bytes == 336 * 128 + 336 * 2  # int8 values + a bf16 scale per row

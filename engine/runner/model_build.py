@@ -7,16 +7,18 @@ both load any spec the loader takes in the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.runner.attention.base import AttentionBackend
 from engine.runner.model_loader import ModelSource, iter_safetensors
-from engine.runner.models.layer_ops import TorchOps
+from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.quant import QuantSummary, load_awq, quantize_model
+from engine.runner.quant.apply import CPU_FUSED_DEQUANT_MIN_ROWS
 from engine.runner.quant.awq import check_awq_config
+from engine.runner.quant.linear import QuantLinear
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ def build_model(
         group_size = check_awq_config(source.quant_config, source.name)
         summary = load_awq(model, iter_safetensors(source.weights_dir), group_size, dtype)
         model.init_rope()
+        summary = _share_cpu_kernels(model, ops, summary)
         return model.eval().requires_grad_(False), summary
     if source.weights_dir is None:
         init_random_weights(model, seed=fmt.seed)
@@ -64,7 +67,23 @@ def build_model(
     summary = None
     if fmt.quantization != "none":
         summary = quantize_model(model, fmt.quantization, fmt.group_size, dtype)
+        summary = _share_cpu_kernels(model, ops, summary)
     return model, summary
+
+
+def _share_cpu_kernels(model: LlamaForCausalLM, ops: TorchOps, summary: QuantSummary):
+    """Quantized linears dequantize (many-rows path) with the fused ops' C++ extension when
+    the model runs it (fused_ops=False stays the whole torch "before"). One pass instead of
+    ~8 moves the crossover from the weight-only kernel down to CPU_FUSED_DEQUANT_MIN_ROWS."""
+    if not isinstance(ops, CpuFusedOps):
+        return summary
+    # 0 stays 0: no weight-only kernel here (aten's int4 layout differs), always dequantize.
+    rows = CPU_FUSED_DEQUANT_MIN_ROWS if summary.dequant_min_rows else 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.cpu_kernels = ops.kernels
+            module.dequant_min_rows = rows
+    return replace(summary, dequant_min_rows=rows)
 
 
 def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:

@@ -67,6 +67,9 @@ class QuantLinear(nn.Module):
         # Which weight-only kernel the small-M path calls: "triton" on CUDA, "cpu" (aten's)
         # otherwise; tests set "triton" on CPU to run the Triton kernels under the interpreter.
         self.weight_only_kernel = "triton" if scratch.buffer.device.type == "cuda" else "cpu"
+        # The C++ CPU ops (kernels/cpu_fused_ops.py) when the model runs them (fused_ops):
+        # one-pass dequantization for the many-rows path; None = the torch ops.
+        self.cpu_kernels = None
         self.chunk_rows = self._chunk_rows()
 
     def _chunk_rows(self) -> int:
@@ -134,6 +137,9 @@ class Int8Linear(QuantLinear):
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is not None and self.in_features % 16 == 0:
+            self.cpu_kernels.dequant_int8(out, self.qweight[start:end], self.scales[start:end])
+            return out
         out.copy_(self.qweight[start:end])
         return out.mul_(self.scales[start:end, None])
 
@@ -166,6 +172,27 @@ class Int4Linear(QuantLinear):
         return torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scale_and_zero
         )
+
+    def dequant_mm(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        if self.cpu_kernels is None or n % INT4_BLOCK_ROWS or self.group_size % 16:
+            return super().dequant_mm(x)
+        # The C++ kernel writes the weight transposed, [K, rows]: one packed k of a 64-row
+        # block is 64 consecutive elements there (whole-vector stores), and x @ W.T is then a
+        # plain matmul with it.
+        if self.chunk_rows == n:
+            wt = self.scratch.matrix(k, n)
+            self.cpu_kernels.dequant_int4(wt, self.packed, self.scale_and_zero,
+                                          self.group_size, 0, n)  # fmt: skip
+            return x @ wt
+        y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        for start in range(0, n, self.chunk_rows):
+            rows = min(n, start + self.chunk_rows) - start
+            wt = self.scratch.matrix(k, rows)
+            self.cpu_kernels.dequant_int4(wt, self.packed, self.scale_and_zero,
+                                          self.group_size, start, rows)  # fmt: skip
+            y[:, start : start + rows] = x @ wt
+        return y
 
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
         # start is a multiple of 64 (chunk_rows), so the rows' bytes are whole packed blocks
