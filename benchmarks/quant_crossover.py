@@ -2,13 +2,16 @@
 
     python -m benchmarks.quant_crossover                 # SmolLM2-135M's shapes, bfloat16
     python -m benchmarks.quant_crossover --rows 1 16 64 256 --repeats 10
+    python -m benchmarks.quant_crossover --dequant torch   # the torch dequantization
 
 For each format (int8, int4 g64) and each number of rows M, times one decoder layer's four
 linears (q/k/v, o, gate/up, down of the preset's shape, random weights) and the LM head three
 ways: the 16-bit matmul (the unquantized baseline), the CPU weight-only kernel, and
 dequantize-into-scratch + 16-bit GEMM. Prints JSON with the median microseconds per call and,
 per format, the smallest M from which dequantize + GEMM beats the kernel over the decoder
-layer (the engine's CPU_DEQUANT_MIN_ROWS in engine/runner/quant/apply.py comes from this).
+layer. `--dequant cpu` (the default) dequantizes with the one-pass C++ kernels the engine uses
+with fused_ops (CPU_FUSED_DEQUANT_MIN_ROWS in engine/runner/quant/apply.py), `--dequant
+torch` with the torch ops it uses without them (CPU_DEQUANT_MIN_ROWS).
 Timings are noisy when other processes share the cores.
 """
 
@@ -54,7 +57,7 @@ def median_us(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def make_layers(shapes, dtype) -> dict[str, dict[str, QuantLinear | torch.Tensor]]:
+def make_layers(shapes, dtype, kernels) -> dict[str, dict[str, QuantLinear | torch.Tensor]]:
     scratch_elements = max(n * k for name, (n, k) in shapes.items() if name != "lm_head")
     scratch = DequantScratch(scratch_elements, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
@@ -66,6 +69,8 @@ def make_layers(shapes, dtype) -> dict[str, dict[str, QuantLinear | torch.Tensor
             "int8": Int8Linear(quantize_int8(w), None, dtype, scratch, 0),
             "int4": Int4Linear(quantize_int4(w, GROUP_SIZE), None, dtype, scratch, 0),
         }
+        for fmt in ("int8", "int4"):
+            layers[name][fmt].cpu_kernels = kernels  # None: the torch dequantization
     return layers
 
 
@@ -115,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 48, 64, 96, 128, 256])
     p.add_argument("--repeats", type=int, default=15, help="timed calls per measurement")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument(
+        "--dequant",
+        choices=("cpu", "torch"),
+        default="cpu",
+        help="cpu: the one-pass C++ dequantization (fused_ops); torch: the torch ops",
+    )
     p.add_argument("--json", type=Path, help="also write the JSON here")
     return p
 
@@ -125,14 +136,20 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16
     shapes = layer_shapes(args.preset)
+    kernels = None
+    if args.dequant == "cpu":
+        from kernels.cpu_fused_ops import load_extension
+
+        kernels = load_extension()  # CpuKernelUnavailable (with the reason) without g++
     with torch.inference_mode():
-        results = measure(make_layers(shapes, dtype), args.rows, args.repeats, dtype)
+        results = measure(make_layers(shapes, dtype, kernels), args.rows, args.repeats, dtype)
     emit(
         {
             "preset": args.preset,
             "dtype": "bfloat16",
             "int4_group_size": GROUP_SIZE,
             "torch_threads": torch.get_num_threads(),
+            "dequant": args.dequant,
             "crossover_rows": {f: crossover_rows(results, f) for f in ("int8", "int4")},
             "results": results,
         },

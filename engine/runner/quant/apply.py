@@ -37,8 +37,9 @@ CPU_DEQUANT_MIN_ROWS = {"int8": 64, "int4": 128}
 # The same with the one-pass C++ dequantization (fused_ops, kernels/cpu_fused_ops.cpp):
 # measured per layer on the 2-core EPYC (gate_up 3072 x 576 / down 576 x 1536, bf16), kernel
 # vs dequantize + matmul in us: int4 M=16 394 vs 424 and 165 vs 190, M=32 781 vs 556 and
-# 326 vs 259; int8 M=16 435 vs 447 and 181 vs 179, M=32 877 vs 562. Both cross at ~16 rows.
-CPU_FUSED_DEQUANT_MIN_ROWS = 16
+# 326 vs 259; int8 M=16 435 vs 447 and 181 vs 179, M=32 877 vs 562. `python -m
+# benchmarks.quant_crossover` (whole layers, 8/16/32/64 rows): 32 for both formats.
+CPU_FUSED_DEQUANT_MIN_ROWS = 32
 # CUDA: the Triton weight-only kernels (kernels/w4a16_gemm.py, w8a16_gemm.py) below this many
 # rows, dequantize + cuBLAS above: vLLM's AWQ path switches at 256 tokens. Not yet measured with
 # our kernels (no GPU was lent while they were written); scripts/gpu_check.py times both paths.
