@@ -2,7 +2,9 @@
 
 Tokens of all requests in a step are packed into one flat batch of T tokens; attention finds
 each token's request and context through the step's `AttentionMetadata`, built and consumed by
-the attention backend the model was made with (see engine/runner/attention/base.py).
+the attention backend the model was made with (see engine/runner/attention/base.py). The small
+per-layer ops (RMSNorm with its residual add, RoPE, SiLU-and-mul) go through the model's layer
+ops (layer_ops.py): torch, or fused C++ calls on CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from engine.runner.models.layer_ops import TorchOps
 
 
 class RMSNorm(nn.Module):
-    """The weight and epsilon of an RMSNorm; the arithmetic is the model's LayerOps'."""
+    """The weight and epsilon of an RMSNorm; the arithmetic is the model's layer ops'."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
