@@ -7,6 +7,8 @@
                                          rotate-half RoPE in place on the first `heads` heads of
                                          each row of x [T, >= heads * head_dim] (any row stride)
     silu_mul(gate_up)                    -> dtype(silu(gate)) * up, gate_up = [gate | up]
+    dequant_int4 / dequant_int8          a quantized weight in one pass, for the many-rows path
+                                         of engine/runner/quant/linear.py
 
 Each replaces 3-12 torch ops, and so as many passes through Python and the dispatcher, which
 were most of a batch-1 decode step's time outside the matmuls. The C++ side checks its inputs
@@ -70,3 +72,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[-1] // 2)
     load_extension().silu_mul(out, gate_up)
     return out
+
+
+def dequant_int4(
+    wt: torch.Tensor,  # [K, rows] in scale_and_zero's dtype, contiguous rows: written
+    packed: torch.Tensor,  # uint8 [N, K/2], kernels/int4_pack.py's layout
+    scale_and_zero: torch.Tensor,  # [K/G, N, 2] = (s, zf), w = (q - 8) * s + zf
+    group_size: int,
+    row_start: int,  # whole 64-row blocks: row_start and rows multiples of 64
+    rows: int,
+) -> torch.Tensor:
+    """Rows [row_start, row_start + rows) of the int4 weight, dequantized and TRANSPOSED into
+    wt (one packed k of a 64-row block is 64 consecutive elements of wt's row k)."""
+    load_extension().dequant_int4(wt, packed, scale_and_zero, group_size, row_start, rows)
+    return wt
+
+
+def dequant_int8(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """w [rows, K] = qweight (int8 [rows, K], K % 16 == 0) * scales [rows], in scales' dtype."""
+    load_extension().dequant_int8(w, qweight, scales)
+    return w

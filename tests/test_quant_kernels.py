@@ -146,9 +146,9 @@ def test_layer_paths_match_dequantized_reference(dtype, num_rows, scratch_elemen
 def test_cpu_one_pass_dequantization_matches_the_reference(dtype, scratch_rows):
     """The C++ dequantization (kernels/cpu_fused_ops.cpp, fused_ops=True) on the many-rows
     path: int8 rows, int4 written transposed and multiplied as x @ W.T, also in chunks."""
-    from kernels.cpu_fused_ops import cpu_fused_ops_status, load_extension
+    from kernels import cpu_fused_ops
 
-    if (why := cpu_fused_ops_status()) is not None:
+    if (why := cpu_fused_ops.cpu_fused_ops_status()) is not None:
         pytest.skip(f"CPU fused ops unavailable: {why}")
     w, bias = _weight(384, 128, seed=5), torch.randn(384).to(dtype)
     scratch = DequantScratch(scratch_rows * 128, dtype, torch.device("cpu"))
@@ -158,17 +158,17 @@ def test_cpu_one_pass_dequantization_matches_the_reference(dtype, scratch_rows):
     for layer in layers:
         layer.cpu_kernels = None
         torch_path = layer(x)
-        layer.cpu_kernels = load_extension()
+        layer.cpu_kernels = cpu_fused_ops
         y = layer(x)
         ref = x.float() @ layer.dequantized_weight().t() + layer.bias.float()
         _assert_close(y, ref, dtype)
         _assert_close(y, torch_path.float(), dtype)
     int4 = layers[1]
     wt = torch.empty(128, 384, dtype=dtype)
-    load_extension().dequant_int4(wt, int4.packed, int4.scale_and_zero, 32, 0, 384)
+    cpu_fused_ops.dequant_int4(wt, int4.packed, int4.scale_and_zero, 32, 0, 384)
     _assert_close(wt.t(), int4.dequantized_weight(), dtype)
     with pytest.raises(ValueError, match="rows: whole 64-row blocks"):
-        load_extension().dequant_int4(wt, int4.packed, int4.scale_and_zero, 32, 0, 100)
+        cpu_fused_ops.dequant_int4(wt, int4.packed, int4.scale_and_zero, 32, 0, 100)
 
 
 def test_weight_bytes_count_scales_and_zeros():

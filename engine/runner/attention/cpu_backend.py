@@ -49,10 +49,10 @@ class CpuBackend(TorchBackend):
             self.fallback_reason = f"the C++ kernel runs on CPU tensors, not {self.device.type}"
         else:
             # Imported here: `kernels` imports Triton, which the torch path must not need.
-            from kernels.cpu_attention import cpu_kernel_status, load_extension
+            from kernels import cpu_attention
 
-            self.fallback_reason = cpu_kernel_status()  # builds once per machine (~1 min)
-            self.kernels = None if self.fallback_reason else load_extension()
+            self.fallback_reason = cpu_attention.cpu_kernel_status()  # builds once (~30 s)
+            self.kernels = cpu_attention
         if self.fallback_reason:
             log.warning("attention_backend='cpu' runs the torch path: %s", self.fallback_reason)
 
@@ -88,7 +88,7 @@ class CpuBackend(TorchBackend):
         if not isinstance(meta, CpuAttentionMetadata):  # the fallback's metadata
             return torch_attention(q, k, v, cache, meta, scale)
         if cache.key_scale is None:  # 16/32-bit K/V: one C++ call stores both
-            self.kernels.store_kv(cache.key, cache.value, k, v, meta.slot_mapping)
+            self.kernels.store_kv_cpu(cache.key, cache.value, k, v, meta.slot_mapping)
         else:  # quantized on the way in: the torch path's store
             store_kv(cache, k, v, meta.store_index)
         out = torch.empty_like(q)
@@ -100,10 +100,8 @@ class CpuBackend(TorchBackend):
             (s.permute(1, 2, 0) if int8_scales else s)
             for s in (cache.key_scale, cache.value_scale)
         )  # fmt: skip
-        # The extension checks every argument (kernels/cpu_attention.py's functions are the
-        # same calls, documented): called directly, one Python frame less per layer.
-        self.kernels.paged_attention(
-            out, q, cache.key.permute(1, 2, 0, 3), cache.value.permute(1, 2, 0, 3),
-            meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, k_scale, v_scale,
+        return self.kernels.paged_attention_prefill_cpu(
+            q, cache.key.permute(1, 2, 0, 3), cache.value.permute(1, 2, 0, 3),
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out=out,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
-        return out

@@ -61,33 +61,27 @@ class CpuFusedOps(TorchOps):
     name = "cpu"
 
     def __init__(self) -> None:
-        from kernels import cpu_fused_ops  # the JIT-built extension: loaded (or built) here
+        from kernels import cpu_fused_ops
 
-        self.kernels = cpu_fused_ops.load_extension()
+        cpu_fused_ops.load_extension()  # built (or loaded) here: CpuKernelUnavailable if not
+        self.kernels = cpu_fused_ops  # the checked wrappers; quantized linears share them
 
     def rms_norm(self, x, weight, eps):
-        out = torch.empty_like(x)
-        self.kernels.rms_norm(out, x, weight, eps)
-        return out
+        return self.kernels.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
         # In place on `residual`: the model owns it (a fresh embedding output, then sums).
-        out = torch.empty_like(x)
-        self.kernels.add_rms_norm(out, x, residual, weight, eps)
-        return out, residual
+        return self.kernels.add_rms_norm(x, residual, weight, eps), residual
 
     def rope_tables(self, positions, cos, sin, dtype):
         return positions, cos, sin  # the kernel reads the float32 tables by position
 
     def rope(self, qkv, tables, num_heads, head_dim):
-        positions, cos, sin = tables
-        self.kernels.rope_(qkv, positions, cos, sin, num_heads, head_dim)  # in place
+        self.kernels.rope_(qkv, *tables, num_heads, head_dim)  # in place
         return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
 
     def silu_mul(self, gate_up):
-        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        self.kernels.silu_mul(out, gate_up)
-        return out
+        return self.kernels.silu_mul(gate_up)
 
 
 def make_layer_ops(

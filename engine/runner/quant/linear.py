@@ -91,15 +91,19 @@ class QuantLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def dequant_mm(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
+        n = self.out_features
         if self.chunk_rows == n:
-            return F.linear(x, self.dequantize_rows(0, n, self.scratch.matrix(n, k)))
+            return self.dequant_rows_mm(x, 0, n)
         y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         for start in range(0, n, self.chunk_rows):
             end = min(n, start + self.chunk_rows)
-            w = self.dequantize_rows(start, end, self.scratch.matrix(end - start, k))
-            y[:, start:end] = F.linear(x, w)
+            y[:, start:end] = self.dequant_rows_mm(x, start, end)
         return y
+
+    def dequant_rows_mm(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """x @ W[start:end].T through the scratch: [M, end - start]."""
+        w = self.dequantize_rows(start, end, self.scratch.matrix(end - start, self.in_features))
+        return F.linear(x, w)
 
     def weight_only_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -173,26 +177,17 @@ class Int4Linear(QuantLinear):
             x, self.packed, self.group_size, self.scale_and_zero
         )
 
-    def dequant_mm(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
+    def dequant_rows_mm(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        n = self.out_features
         if self.cpu_kernels is None or n % INT4_BLOCK_ROWS or self.group_size % 16:
-            return super().dequant_mm(x)
+            return super().dequant_rows_mm(x, start, end)
         # The C++ kernel writes the weight transposed, [K, rows]: one packed k of a 64-row
         # block is 64 consecutive elements there (whole-vector stores), and x @ W.T is then a
-        # plain matmul with it.
-        if self.chunk_rows == n:
-            wt = self.scratch.matrix(k, n)
-            self.cpu_kernels.dequant_int4(wt, self.packed, self.scale_and_zero,
-                                          self.group_size, 0, n)  # fmt: skip
-            return x @ wt
-        y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-        for start in range(0, n, self.chunk_rows):
-            rows = min(n, start + self.chunk_rows) - start
-            wt = self.scratch.matrix(k, rows)
-            self.cpu_kernels.dequant_int4(wt, self.packed, self.scale_and_zero,
-                                          self.group_size, start, rows)  # fmt: skip
-            y[:, start : start + rows] = x @ wt
-        return y
+        # plain matmul with it. (Chunks start at multiples of 64: chunk_rows.)
+        wt = self.scratch.matrix(self.in_features, end - start)
+        self.cpu_kernels.dequant_int4(wt, self.packed, self.scale_and_zero, self.group_size,
+                                      start, end - start)  # fmt: skip
+        return x @ wt
 
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
         # start is a multiple of 64 (chunk_rows), so the rows' bytes are whole packed blocks
