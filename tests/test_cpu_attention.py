@@ -14,7 +14,9 @@ from test_kernels import (
     F32,
     PREFILL_CASES,
     TOLERANCE,
+    decode_case,
     make_paged_context,
+    prefill_case,
     relative_error,
 )
 from test_kernels_kvq import make_quantized_context
@@ -47,12 +49,9 @@ def head_major_view(cache: torch.Tensor) -> torch.Tensor:
 def test_decode_matches_reference(
     dtype, block_size, head_dim, num_kv_heads, group_size, seq_lens, layout
 ):
-    k_cache, v_cache, block_tables, seq_lens_t = make_paged_context(
-        seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=sum(seq_lens)
+    query, k_cache, v_cache, block_tables, seq_lens_t, scale = decode_case(
+        dtype, block_size, head_dim, num_kv_heads, group_size, seq_lens
     )
-    gen = torch.Generator().manual_seed(len(seq_lens))
-    query = torch.randn(len(seq_lens), num_kv_heads * group_size, head_dim, generator=gen)
-    query, scale = query.to(dtype), head_dim**-0.5
     ref = paged_attention_decode_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale)
     if layout == "head_major":
         k_cache, v_cache = head_major_view(k_cache), head_major_view(v_cache)
@@ -71,18 +70,9 @@ def test_decode_matches_reference(
     ("dtype", "block_size", "head_dim", "num_kv_heads", "group_size", "requests"), PREFILL_CASES
 )
 def test_prefill_matches_reference(dtype, block_size, head_dim, num_kv_heads, group_size, requests):
-    seq_lens = [seq_len for seq_len, _ in requests]
-    q_lens = [q_len for _, q_len in requests]
-    k_cache, v_cache, block_tables, seq_lens_t = make_paged_context(
-        seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=sum(seq_lens) + 1
-    )
-    query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
-    gen = torch.Generator().manual_seed(sum(q_lens))
-    query = torch.randn(sum(q_lens), num_kv_heads * group_size, head_dim, generator=gen)
-    query, scale = query.to(dtype), head_dim**-0.5
-    args = (query, k_cache, v_cache, block_tables, seq_lens_t, query_start_loc, scale)
+    args = prefill_case(dtype, block_size, head_dim, num_kv_heads, group_size, requests)
     ref = paged_attention_prefill_ref(*args)
-    out = torch.full_like(query, float("nan"))
+    out = torch.full_like(args[0], float("nan"))
 
     paged_attention_prefill_cpu(*args, out=out)
 

@@ -57,6 +57,33 @@ def make_paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype, seed
     return k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
 
 
+def decode_case(dtype, block_size, head_dim, num_kv_heads, group_size, seq_lens):
+    """A DECODE_CASES row as (query, k_cache, v_cache, block_tables, seq_lens, scale): one
+    query token per request over its paged context (make_paged_context)."""
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_context(
+        seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=sum(seq_lens)
+    )
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    num_heads = num_kv_heads * group_size
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, block_tables, seq_lens_t, head_dim**-0.5
+
+
+def prefill_case(dtype, block_size, head_dim, num_kv_heads, group_size, requests):
+    """A PREFILL_CASES row as (query, k_cache, v_cache, block_tables, seq_lens,
+    query_start_loc, scale): each request's last q_len tokens of its seq_len, packed."""
+    seq_lens = [seq_len for seq_len, _ in requests]
+    q_lens = [q_len for _, q_len in requests]
+    k_cache, v_cache, block_tables, seq_lens_t = make_paged_context(
+        seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=sum(seq_lens) + 1
+    )
+    query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(sum(q_lens))
+    num_heads = num_kv_heads * group_size
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, block_tables, seq_lens_t, query_start_loc, head_dim**-0.5
+
+
 # ---------------------------------------------------------------------------------------------
 # kv_store
 
@@ -124,19 +151,11 @@ DECODE_CASES = [
     ("dtype", "block_size", "head_dim", "num_kv_heads", "group_size", "seq_lens"), DECODE_CASES
 )
 def test_decode_matches_reference(dtype, block_size, head_dim, num_kv_heads, group_size, seq_lens):
-    k_cache, v_cache, block_tables, seq_lens_t = make_paged_context(
-        seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=sum(seq_lens)
-    )
-    gen = torch.Generator().manual_seed(len(seq_lens))
-    num_heads = num_kv_heads * group_size
-    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
-    scale = head_dim**-0.5
-    out = torch.full_like(query, float("nan"))
+    args = decode_case(dtype, block_size, head_dim, num_kv_heads, group_size, seq_lens)
+    out = torch.full_like(args[0], float("nan"))
 
-    result = paged_attention_decode(
-        query, k_cache, v_cache, block_tables, seq_lens_t, scale, out=out
-    )
-    ref = paged_attention_decode_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale)
+    result = paged_attention_decode(*args, out=out)
+    ref = paged_attention_decode_ref(*args)
 
     assert result is out and out.dtype == dtype
     assert not out.isnan().any(), "output not fully written (or NaN cache slot read)"
@@ -226,18 +245,8 @@ PREFILL_CASES = [
     ("dtype", "block_size", "head_dim", "num_kv_heads", "group_size", "requests"), PREFILL_CASES
 )
 def test_prefill_matches_reference(dtype, block_size, head_dim, num_kv_heads, group_size, requests):
-    seq_lens = [seq_len for seq_len, _ in requests]
-    q_lens = [q_len for _, q_len in requests]
-    k_cache, v_cache, block_tables, seq_lens_t = make_paged_context(
-        seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=sum(seq_lens) + 1
-    )
-    query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
-    gen = torch.Generator().manual_seed(sum(q_lens))
-    num_heads = num_kv_heads * group_size
-    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
-    scale = head_dim**-0.5
-    out = torch.full_like(query, float("nan"))
-    args = (query, k_cache, v_cache, block_tables, seq_lens_t, query_start_loc, scale)
+    args = prefill_case(dtype, block_size, head_dim, num_kv_heads, group_size, requests)
+    out = torch.full_like(args[0], float("nan"))
 
     result = paged_attention_prefill(*args, out=out)
     ref = paged_attention_prefill_ref(*args)
