@@ -131,7 +131,10 @@ def test_shutdown_ends_streams_and_refuses_new_work():
 
 
 def test_block_snapshot_shows_owned_blocks_then_free(service):
-    stream = service.submit("watch my blocks", SamplingParams(max_tokens=60, ignore_eos=True))
+    # Long enough to still hold its blocks when the snapshot is taken: with the fused CPU ops
+    # random:tiny decodes 60 tokens in 0.14 s, and a fresh-clone run once saw it finish first.
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    stream = service.submit("watch my blocks", params)
     first = next(stream)
     snap = service.block_snapshot()
     owned = [i for i, owner in enumerate(snap.owners) if owner == stream.request_id]
