@@ -5,8 +5,11 @@
 
 One process runs (a) our engine with continuous batching and paged KV, (b) our engine with
 static batching, (c) Hugging Face transformers `generate` with static batches (left-padded,
-each batch runs until its longest request is done). Every request has an exact output length
-(ignore_eos), greedy. Prints JSON: output tokens/s, TTFT and TPOT p50/p99, and the ratios.
+each batch runs until its longest request is done), (d) Hugging Face's own continuous batching
+(transformers' `init_continuous_batching` manager: paged cache, sdpa attention), its cache
+sized to hold the whole workload and its token budget per step set to ours. Every request has
+an exact output length (ignore_eos), greedy. Each engine gets one warm-up request first, and
+start-up (model load, cache allocation) is outside the timed window. Prints JSON: output tokens/s, TTFT and TPOT p50/p99, and the ratios.
 Arrivals: all requests are submitted at t=0, so TTFT includes queueing behind earlier work.
 """
 
@@ -30,6 +33,9 @@ from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.telemetry.ceilings import get_ceilings, roofline_bound_s
 from engine.telemetry.stats import StepStats, latency_summary
+
+# How long HF's manager may go without finishing a request before the run is declared stuck.
+HF_RESULT_TIMEOUT_S = 900.0
 
 # Steps the benchmark's engine keeps (StepStats are small): the whole run, for its bound.
 STEPS_KEPT = 1 << 16
@@ -177,6 +183,75 @@ def run_hf(
     )  # fmt: skip
 
 
+def run_hf_continuous(
+    workload: Workload, weights_dir: Path, dtype_name: str, config: EngineConfig
+) -> dict:
+    """Hugging Face's continuous batching on the same workload: every request submitted at
+    t=0 with its exact length; TTFT and TPOT from the manager's per-token timestamps."""
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(weights_dir), dtype=getattr(torch, dtype_name), attn_implementation="sdpa"
+    ).eval()
+    lens = workload.output_lens
+    generation = GenerationConfig(max_new_tokens=max(lens), do_sample=False, eos_token_id=-1,
+                                  pad_token_id=0)  # fmt: skip
+    # Left to itself the manager sizes its cache from free memory (14 GB and ~25 s of set-up
+    # on a 24 GiB machine); one page per 256 tokens of each request holds the whole workload.
+    page_size = 256
+    num_pages = sum(
+        -(-(len(p) + n) // page_size) for p, n in zip(workload.prompts, lens, strict=True)
+    )
+    cb_config = ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=num_pages + 2,
+        max_batch_tokens=config.max_num_batched_tokens,
+    )  # fmt: skip
+    hints = WorkloadHints(max_prompt_length=max(map(len, workload.prompts)),
+                          max_generated_length=max(lens), num_requests=len(lens))  # fmt: skip
+    with torch.inference_mode():  # the manager's thread inherits the caller's mode
+        manager = model.init_continuous_batching(
+            generation_config=generation, continuous_batching_config=cb_config,
+            workload_hints=hints,
+        )  # fmt: skip
+        manager.start()
+        try:
+            manager.add_request([1, 2, 3, 4], max_new_tokens=2)  # warm-up, as for ours
+            _hf_result(manager)
+            start = time.perf_counter()
+            ids = [manager.add_request(p, max_new_tokens=n, record_timestamps=True)
+                   for p, n in zip(workload.prompts, lens, strict=True)]  # fmt: skip
+            results = {}
+            while len(results) < len(ids):
+                result = _hf_result(manager)
+                results[result.request_id] = result
+            duration = time.perf_counter() - start
+        finally:
+            manager.stop(block=True, timeout=30)
+    outs = [results[i] for i in ids]
+    assert [len(o.generated_tokens) for o in outs] == lens
+    ttfts = [o.timestamps[0] - start for o in outs]
+    tpots = [
+        (o.timestamps[-1] - o.timestamps[0]) / (n - 1)
+        for o, n in zip(outs, lens, strict=True)
+        if n > 1
+    ]
+    return summarize(
+        "hf_continuous", duration, sum(lens), ttfts, tpots,
+        {"dtype": dtype_name, "library": "transformers", "attention": "sdpa",
+         "page_size": page_size, "num_blocks": num_pages + 2,
+         "max_batch_tokens": config.max_num_batched_tokens},
+    )  # fmt: skip
+
+
+def _hf_result(manager):
+    """The next finished request, or a RuntimeError (never a hang) when the manager stalls."""
+    result = manager.get_result(timeout=HF_RESULT_TIMEOUT_S)
+    if result is None or result.error:
+        raise RuntimeError(f"transformers' continuous batching failed: {result and result.error}")
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --batching is not a flag: the benchmark runs continuous, then static (--static-batch).
     p = bench_parser(__doc__, exclude=("batching",))
@@ -185,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     p.add_argument("--static-batch", type=int, default=8, help="our static mode's batch size")
     p.add_argument("--hf-batch", type=int, default=8, help="HF generate's batch size")
-    p.add_argument("--skip", nargs="*", default=[], choices=["static", "hf"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["static", "hf", "hf_continuous"])
     # dest apart from EngineConfig.seed, which config_from_args would take it for.
     p.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seeds the workload")
     return p
@@ -202,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
         results["static"], _, _ = run_ours(static, workload)
     if "hf" not in args.skip and weights_dir is not None:
         results["hf_static"] = run_hf(args, workload, weights_dir, dtype)
+    if "hf_continuous" not in args.skip and weights_dir is not None:
+        results["hf_continuous"] = run_hf_continuous(workload, weights_dir, dtype, config)
     cont = results["continuous"]["output_tokens_per_s"]
     report = {
         "benchmark": "benchmarks.throughput",

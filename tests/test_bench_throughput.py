@@ -53,3 +53,20 @@ def test_roofline_report_sums_the_steps_by_hand(monkeypatch):
     # prefill: max(100/10, 2/1) = 10 s; decode: max(10/10, 4/1) = 4 s.
     assert roof["bound_s"] == 14.0 and roof["fraction_of_bound"] == round(14 / 30, 3)
     assert roof["decode_bound_s"] == 4.0 and roof["decode_fraction_of_bound"] == 0.5
+
+
+def test_bench_throughput_runs_hf_continuous_batching(tiny_hf_folder, monkeypatch):
+    """The peer the issue names: transformers' continuous batching on the same workload, every
+    request at its exact length, its cache sized to the workload (not to free memory)."""
+    toy = DeviceCeilings(name="toy", peak_flops_per_s={"float32": 1e9}, bandwidth_bytes_per_s=1e9,
+                         measured=False, source="test")  # fmt: skip
+    monkeypatch.setattr(throughput, "get_ceilings", lambda device: toy)
+    argv = ["--model", str(tiny_hf_folder), "--dtype", "float32", "--num-requests", "5",
+            "--prompt-len", "260", "300", "--output-len", "2", "9", "--skip", "static", "hf"]  # fmt: skip
+    report = throughput.main(argv)
+    hf = report["results"]["hf_continuous"]
+    assert hf["output_tokens"] == report["workload"]["output_tokens"]
+    # One page per 256 tokens of each request (2 each here), plus 2 spare.
+    assert hf["config"]["num_blocks"] == 2 * 5 + 2
+    assert hf["ttft_p50_s"] > 0 and hf["tpot_p50_s"] > 0
+    assert report["ratios"]["continuous_vs_hf_continuous"] > 0
