@@ -37,7 +37,8 @@ namespace {
 
 using namespace cpu_simd;  // f32x16 & co., load_vec, hsum, to_float (cpu_simd.h)
 // (Plain loops with 16 accumulators were left scalar by GCC 12: hence the vector types.)
-constexpr int QUERY_CHUNK = 16;  // query tokens per work item (prefill); decode has 1
+constexpr int QUERY_CHUNK = 16;
+constexpr int CACHE_LINE = 64;  // bytes  // query tokens per work item (prefill); decode has 1
 
 // All 256 float8_e4m3fn values as float32: a table lookup beats the bit manipulation.
 const float* fp8_table() {
@@ -83,6 +84,37 @@ inline float dot(const float* a, const float* b, int n) {
   f32x16 acc = load_vec<f32x16>(a) * load_vec<f32x16>(b);
   for (int d = LANES; d < n; d += LANES) acc += load_vec<f32x16>(a + d) * load_vec<f32x16>(b + d);
   return hsum(acc);
+}
+
+// acc[0:D] = acc * correction + sum_t p[t] v[t][0:D], with v rows D floats apart. Four
+// 16-lane accumulators at a time, each chained over t: with one, every FMA waited on the
+// previous one's latency, and this loop was the kernel's hottest (perf: 15 % of a decode step).
+inline void accumulate_pv(float* acc, float correction, const float* p, const float* v, int n,
+                          int D) {
+  int d = 0;
+  for (; d + 4 * LANES <= D; d += 4 * LANES) {
+    f32x16 a0 = load_vec<f32x16>(acc + d) * correction;
+    f32x16 a1 = load_vec<f32x16>(acc + d + LANES) * correction;
+    f32x16 a2 = load_vec<f32x16>(acc + d + 2 * LANES) * correction;
+    f32x16 a3 = load_vec<f32x16>(acc + d + 3 * LANES) * correction;
+    for (int t = 0; t < n; ++t) {
+      const float* row = v + size_t(t) * D + d;
+      const f32x16 pt = f32x16{} + p[t];
+      a0 += pt * load_vec<f32x16>(row);
+      a1 += pt * load_vec<f32x16>(row + LANES);
+      a2 += pt * load_vec<f32x16>(row + 2 * LANES);
+      a3 += pt * load_vec<f32x16>(row + 3 * LANES);
+    }
+    store_vec(acc + d, a0);
+    store_vec(acc + d + LANES, a1);
+    store_vec(acc + d + 2 * LANES, a2);
+    store_vec(acc + d + 3 * LANES, a3);
+  }
+  for (; d < D; d += LANES) {  // head_dim not a multiple of 64: the last 16-32-48 dims
+    f32x16 a = load_vec<f32x16>(acc + d) * correction;
+    for (int t = 0; t < n; ++t) a += p[t] * load_vec<f32x16>(v + size_t(t) * D + d);
+    store_vec(acc + d, a);
+  }
 }
 
 struct CacheView {
@@ -161,6 +193,9 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
   std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
 
   const int num_keys = std::min(ctx, last_pos + 1);  // keys any row of the item sees
+  const int64_t row_bytes = int64_t(D) * sizeof(C);
+  const int64_t k_token_bytes = p.k.token_stride * sizeof(C);
+  const int64_t v_token_bytes = p.v.token_stride * sizeof(C);
   for (int start = 0; start < num_keys; start += bs) {
     const int64_t block = table[start / bs];
     const int n = std::min(bs, num_keys - start);
@@ -168,7 +203,20 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
                       int64_t(kv_head) * p.k.head_stride;
     const C* v_base = static_cast<const C*>(p.v.data) + block * p.v.block_stride +
                       int64_t(kv_head) * p.v.head_stride;
+    // The next block's rows are requested while this one's are converted: blocks sit anywhere
+    // in the pool, and the hardware prefetcher does not follow a jump to the next one.
+    const int64_t next = start + bs < num_keys ? table[start / bs + 1] : block;
+    const char* k_next = reinterpret_cast<const char*>(static_cast<const C*>(p.k.data) +
+                                                       next * p.k.block_stride +
+                                                       int64_t(kv_head) * p.k.head_stride);
+    const char* v_next = reinterpret_cast<const char*>(static_cast<const C*>(p.v.data) +
+                                                       next * p.v.block_stride +
+                                                       int64_t(kv_head) * p.v.head_stride);
     for (int t = 0; t < n; ++t) {
+      for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
+        __builtin_prefetch(k_next + t * k_token_bytes + line);
+        __builtin_prefetch(v_next + t * v_token_bytes + line);
+      }
       load_row(k_base + t * p.k.token_stride, D, p.k_scale.at(block, t, kv_head),
                &s.k_block[size_t(t) * D]);
       load_row(v_base + t * p.v.token_stride, D, p.v_scale.at(block, t, kv_head),
@@ -196,12 +244,7 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
       const float sum = hsum(sums);
       s.l[r] = s.l[r] * correction + sum;
       s.m[r] = m_new;
-      float* acc = &s.acc[size_t(r) * D];
-      for (int d = 0; d < D; d += LANES) {  // 16 dims at a time, kept in a register over t
-        f32x16 a = load_vec<f32x16>(acc + d) * correction;
-        for (int t = 0; t < visible; ++t) a += sc[t] * load_vec<f32x16>(&s.v_block[size_t(t) * D + d]);
-        store_vec(acc + d, a);
-      }
+      accumulate_pv(&s.acc[size_t(r) * D], correction, sc, s.v_block.data(), visible, D);
     }
   }
   for (int r = 0; r < rows; ++r) {
