@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from engine.runner.attention.host_memory import zeros_in_huge_pages
 from engine.runner.attention.kv_quant import (
     SCALE_DTYPES,
     LayerKVCache,
@@ -164,10 +165,10 @@ class AttentionBackend(ABC):
     def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[LayerKVCache]:
         """Zeroed K/V (and scale) tensors for every layer: one [layers, 2, ...] tensor each,
         so the pool's bytes are two allocations whatever the layer count."""
-        data = torch.zeros(
-            num_layers, 2, *self.kv_cache_shape(num_blocks),
-            dtype=self.kv_storage_dtype, device=self.device,
-        )  # fmt: skip
+        # Huge pages on CPU: attention reads the pool in scattered pieces (host_memory.py).
+        data = zeros_in_huge_pages(
+            (num_layers, 2, *self.kv_cache_shape(num_blocks)), self.kv_storage_dtype, self.device
+        )
         scale_shape = self.kv_scale_shape(num_blocks)
         if scale_shape is None:
             return [LayerKVCache(data[i, 0], data[i, 1]) for i in range(num_layers)]
