@@ -223,6 +223,79 @@ void dequant_int8_impl(torch::Tensor w, torch::Tensor qweight, torch::Tensor sca
   });
 }
 
+// out [M, N] = x [M, K] @ (q [N, K] * s [N, None]).T for decode's few rows (W8A16). A thread
+// takes INT8_ROWS weight rows at a time and runs the x rows over them in tiles of up to
+// INT8_TILE_M: each weight vector is widened once per tile, and the tile's INT8_TILE_M x
+// INT8_ROWS accumulators are independent FMA chains (one chain waits on each FMA's latency).
+// x is widened to float32 once per call.
+constexpr int64_t INT8_ROWS = 4;
+constexpr int INT8_TILE_M = 4;
+// Weight rows are requested two blocks ahead, a cache line per step: four interleaved rows
+// of K bytes are streams too short for the hardware prefetcher (measured 6 GB/s per core from
+// DRAM without, 18 with, on a 2-core EPYC).
+constexpr int64_t INT8_PREFETCH_BLOCKS = 2;
+
+template <int MR>
+inline void int8_tile(const float* x, int64_t K, const int8_t* w, bool prefetch,
+                      f32x16 (&acc)[INT8_TILE_M][INT8_ROWS]) {
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < INT8_ROWS; ++j) acc[i][j] = f32x16{};
+  }
+  for (int64_t k = 0; k < K; k += LANES) {
+    if (prefetch) __builtin_prefetch(w + INT8_PREFETCH_BLOCKS * INT8_ROWS * K + INT8_ROWS * k);
+    f32x16 wv[INT8_ROWS];
+    for (int j = 0; j < INT8_ROWS; ++j) wv[j] = to_floats(load_vec<i8x16>(w + j * K + k));
+    for (int i = 0; i < MR; ++i) {
+      const f32x16 xv = load_vec<f32x16>(x + i * K + k);
+      for (int j = 0; j < INT8_ROWS; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+}
+
+template <typename T>
+void int8_linear_impl(torch::Tensor out, torch::Tensor x, torch::Tensor qweight,
+                      torch::Tensor scales) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  std::vector<float> xf(size_t(M * K));
+  const T* xp = x.data_ptr<T>();
+  for (int64_t i = 0; i < M * K; i += LANES) store_vec(&xf[size_t(i)], load16(xp + i));
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const T* sp = scales.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t full_blocks = N / INT8_ROWS;
+  at::parallel_for(0, full_blocks, 1, [&](int64_t begin, int64_t end) {
+    f32x16 acc[INT8_TILE_M][INT8_ROWS];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * INT8_ROWS;
+      const int8_t* w = q + n0 * K;
+      for (int64_t m0 = 0; m0 < M; m0 += INT8_TILE_M) {
+        const int mr = int(std::min<int64_t>(INT8_TILE_M, M - m0));
+        const float* xm = &xf[size_t(m0 * K)];
+        switch (mr) {
+          case 4: int8_tile<4>(xm, K, w, m0 == 0, acc); break;
+          case 3: int8_tile<3>(xm, K, w, m0 == 0, acc); break;
+          case 2: int8_tile<2>(xm, K, w, m0 == 0, acc); break;
+          default: int8_tile<1>(xm, K, w, m0 == 0, acc); break;
+        }
+        for (int i = 0; i < mr; ++i) {
+          for (int j = 0; j < INT8_ROWS; ++j) {
+            from_float(hsum(acc[i][j]) * to_float(sp[n0 + j]), op + (m0 + i) * N + n0 + j);
+          }
+        }
+      }
+    }
+  });
+  for (int64_t n = full_blocks * INT8_ROWS; n < N; ++n) {  // N % 4 rows: one chain each
+    for (int64_t m = 0; m < M; ++m) {
+      f32x16 acc{};
+      for (int64_t k = 0; k < K; k += LANES) {
+        acc += load_vec<f32x16>(&xf[size_t(m * K + k)]) * to_floats(load_vec<i8x16>(q + n * K + k));
+      }
+      from_float(hsum(acc) * to_float(sp[n]), op + m * N + n);
+    }
+  }
+}
+
 #define DISPATCH_MODEL_DTYPE(dtype, NAME, ...)                                   \
   switch (dtype) {                                                               \
     case at::kFloat: NAME<float>(__VA_ARGS__); break;                            \
@@ -347,6 +420,27 @@ void dequant_int8(torch::Tensor w, torch::Tensor qweight, torch::Tensor scales) 
   DISPATCH_MODEL_DTYPE(w.scalar_type(), dequant_int8_impl, w, qweight, scales)
 }
 
+void int8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight,
+                 torch::Tensor scales) {
+  check_rows("x", x, true);
+  TORCH_CHECK_VALUE(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar &&
+                        qweight.dim() == 2 && qweight.is_contiguous() &&
+                        qweight.size(1) == x.size(1) && x.size(1) % LANES == 0,
+                    "qweight: contiguous int8 [N, K] with x's K (a multiple of 16) expected, got ",
+                    qweight.scalar_type(), " ", qweight.sizes(), " for x ", x.sizes());
+  TORCH_CHECK_VALUE(scales.device().is_cpu() && scales.dim() == 1 &&
+                        scales.size(0) == qweight.size(0) && scales.is_contiguous() &&
+                        scales.scalar_type() == x.scalar_type(),
+                    "scales: contiguous [N] of x's dtype expected, got ", scales.scalar_type(),
+                    " ", scales.sizes());
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                        out.size(1) == qweight.size(0) && out.is_contiguous() &&
+                        out.scalar_type() == x.scalar_type(),
+                    "out: contiguous [M, N] of x's dtype expected, got ", out.scalar_type(), " ",
+                    out.sizes());
+  DISPATCH_MODEL_DTYPE(x.scalar_type(), int8_linear_impl, out, x, qweight, scales)
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -356,4 +450,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
   m.def("dequant_int4", &dequant_int4, "int4 blocks -> the transposed 16/32-bit weight [K, rows]");
   m.def("dequant_int8", &dequant_int8, "int8 rows * per-row scales -> 16/32-bit rows");
+  m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-row scales).T for a few rows");
 }

@@ -88,6 +88,14 @@ def dequant_int4(
     return wt
 
 
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (qweight (int8 [N, K], K % 16 == 0) * scales [N, None]).T, in x's dtype
+    (scales in x's dtype too): W8A16 for decode's few rows, float32 accumulation."""
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+    load_extension().int8_linear(out, x, qweight, scales)
+    return out
+
+
 def dequant_int8(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """w [rows, K] = qweight (int8 [rows, K], K % 16 == 0) * scales [rows], in scales' dtype."""
     load_extension().dequant_int8(w, qweight, scales)

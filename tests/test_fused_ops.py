@@ -139,6 +139,26 @@ def test_quantized_layers_dequantize_in_one_pass_with_the_fused_ops(fused, quant
         assert all((m.cpu_kernels is not None) is on for m in layers)
 
 
+def test_int8_decode_runs_the_cpp_kernel_with_the_same_tokens(fused, monkeypatch):
+    """With the fused ops, int8 layers' few-row calls go to cpu_fused_ops.int8_linear (not
+    aten's kernel), and greedy float32 tokens are those of the torch path."""
+    calls = []
+    kernel = cpu_fused_ops.int8_linear
+
+    def counting(x, qweight, scales):
+        calls.append(x.shape[0])
+        return kernel(x, qweight, scales)
+
+    monkeypatch.setattr(cpu_fused_ops, "int8_linear", counting)
+    results = {}
+    for on in (False, True):
+        llm = LLM(quantization="int8", fused_ops=on, **COMMON)
+        results[on] = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert bool(calls) is on
+    assert results[True] == results[False]
+    assert 1 in calls and max(calls) < llm.engine.runner.quant_summary.dequant_min_rows
+
+
 def _torch_ops_of_one_prefill_step(llm: LLM) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -190,3 +210,31 @@ def test_compare_preset_and_side_config_switch_the_fused_ops():
     assert side_config(base, b, 1024, 256, head_dim=64).fused_ops is True
     assert side_label("B", b, a) == "B: fused_ops=True"
     assert PRESET_DEFAULTS[FUSED_OPS_PRESET].headline == "Mean TPOT (ms)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 200), (3, 7), (17, 64)])  # n % 4: the row tail
+def test_int8_linear_matches_the_dequantized_matmul(fused, dtype, rows, n):
+    """W8A16 for decode's few rows against x @ (q * s).T in float32: only the summation order
+    and the output's rounding differ."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    k = 96
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    s = (torch.rand(n, generator=gen) * 0.02 + 0.001).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    ref = (x.float() @ (q.float() * s.float()[:, None]).T).to(dtype)
+    _close(cpu_fused_ops.int8_linear(x, q, s), ref, dtype)
+
+
+def test_int8_linear_rejects_mismatched_inputs(fused):
+    x, q, s = torch.randn(2, 32), torch.zeros(8, 32, dtype=torch.int8), torch.ones(8)
+    with pytest.raises(ValueError, match="qweight"):
+        cpu_fused_ops.int8_linear(x, q[:, :16], s)
+    with pytest.raises(ValueError, match="qweight"):
+        cpu_fused_ops.int8_linear(x, q.float(), s)
+    with pytest.raises(ValueError, match="scales"):
+        cpu_fused_ops.int8_linear(x, q, s.bfloat16())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_fused_ops.int8_linear(torch.randn(2, 24), torch.zeros(8, 24, dtype=torch.int8), s)
+    with pytest.raises(ValueError, match="x: CPU .rows, cols. with a contiguous last dim"):
+        cpu_fused_ops.int8_linear(torch.randn(2, 64)[:, ::2], q, s)

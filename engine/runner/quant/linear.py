@@ -136,6 +136,10 @@ class Int8Linear(QuantLinear):
             from kernels.w8a16_gemm import w8a16_gemm  # imports Triton: only when used
 
             return w8a16_gemm(x, self.qweight, self.scales)
+        if self.cpu_kernels is not None and self.in_features % 16 == 0:
+            # The C++ kernel prefetches the weight rows: 2x aten's bytes/s from DRAM at batch 1
+            # (kernels/cpu_fused_ops.cpp, int8_linear).
+            return self.cpu_kernels.int8_linear(x, self.qweight, self.scales)
         # aten directly: int8_weight_only_mm's checks on the weight ran once, at load (their
         # ~4 us per call were a tenth of a batch-1 step's matmul time).
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
