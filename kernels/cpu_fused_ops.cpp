@@ -223,31 +223,83 @@ void dequant_int8_impl(torch::Tensor w, torch::Tensor qweight, torch::Tensor sca
   });
 }
 
-// out [M, N] = x [M, K] @ (q [N, K] * s [N, None]).T for decode's few rows (W8A16). A thread
-// takes INT8_ROWS weight rows at a time and runs the x rows over them in tiles of up to
-// INT8_TILE_M: each weight vector is widened once per tile, and the tile's INT8_TILE_M x
-// INT8_ROWS accumulators are independent FMA chains (one chain waits on each FMA's latency).
+// --- matrix-vector products for decode's few rows: out [M, N] = x [M, K] @ W.T ---
+// W [N, K] row-major, int8 with per-row scales (W8A16); templated on W for other row-major
+// weight types (a load_weights overload each). A thread takes GEMV_ROWS weight rows at a time
+// and runs the x rows over them in tiles of up to GEMV_TILE_M: each weight vector is widened
+// once per tile, and the tile's GEMV_TILE_M x GEMV_ROWS accumulators are independent FMA
+// chains (one chain waits on each FMA's latency).
 // x is widened to float32 once per call.
-constexpr int64_t INT8_ROWS = 4;
-constexpr int INT8_TILE_M = 4;
-// Weight rows are requested two blocks ahead, a cache line per step: four interleaved rows
-// of K bytes are streams too short for the hardware prefetcher (measured 6 GB/s per core from
-// DRAM without, 18 with, on a 2-core EPYC).
-constexpr int64_t INT8_PREFETCH_BLOCKS = 2;
+constexpr int64_t GEMV_ROWS = 4;
+constexpr int GEMV_TILE_M = 4;
+// Weight rows are requested two blocks ahead, a cache line per 64 bytes consumed: four
+// interleaved rows of K elements are streams too short for the hardware prefetcher (int8:
+// measured 6 GB/s per core from DRAM without, 18 with, on a 2-core EPYC).
+constexpr int64_t GEMV_PREFETCH_BLOCKS = 2;
 
-template <int MR>
-inline void int8_tile(const float* x, int64_t K, const int8_t* w, bool prefetch,
-                      f32x16 (&acc)[INT8_TILE_M][INT8_ROWS]) {
+inline f32x16 load_weights(const int8_t* p) { return to_floats(load_vec<i8x16>(p)); }
+
+template <int MR, typename W>
+inline void gemv_tile(const float* x, int64_t K, const W* w, bool prefetch,
+                      f32x16 (&acc)[GEMV_TILE_M][GEMV_ROWS]) {
   for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < INT8_ROWS; ++j) acc[i][j] = f32x16{};
+    for (int j = 0; j < GEMV_ROWS; ++j) acc[i][j] = f32x16{};
   }
+  const char* ahead = reinterpret_cast<const char*>(w + GEMV_PREFETCH_BLOCKS * GEMV_ROWS * K);
   for (int64_t k = 0; k < K; k += LANES) {
-    if (prefetch) __builtin_prefetch(w + INT8_PREFETCH_BLOCKS * INT8_ROWS * K + INT8_ROWS * k);
-    f32x16 wv[INT8_ROWS];
-    for (int j = 0; j < INT8_ROWS; ++j) wv[j] = to_floats(load_vec<i8x16>(w + j * K + k));
+    if (prefetch) {  // GEMV_ROWS * 16 elements consumed per step
+      for (int64_t b = 0; b < int64_t(GEMV_ROWS * LANES * sizeof(W)); b += 64) {
+        __builtin_prefetch(ahead + GEMV_ROWS * k * int64_t(sizeof(W)) + b);
+      }
+    }
+    f32x16 wv[GEMV_ROWS];
+    for (int j = 0; j < GEMV_ROWS; ++j) wv[j] = load_weights(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
       const f32x16 xv = load_vec<f32x16>(x + i * K + k);
-      for (int j = 0; j < INT8_ROWS; ++j) acc[i][j] += xv * wv[j];
+      for (int j = 0; j < GEMV_ROWS; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+}
+
+// T: x's and out's dtype; W: the weight's; scales (int8) in T, nullptr = 1.
+template <typename T, typename W>
+void gemv(torch::Tensor out, torch::Tensor x, const W* weight, int64_t N, const T* scales) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> xf(size_t(M * K));
+  const T* xp = x.data_ptr<T>();
+  for (int64_t i = 0; i < M * K; i += LANES) store_vec(&xf[size_t(i)], load16(xp + i));
+  T* op = out.data_ptr<T>();
+  auto scale = [&](int64_t n) { return scales ? to_float(scales[n]) : 1.0f; };
+  const int64_t full_blocks = N / GEMV_ROWS;
+  at::parallel_for(0, full_blocks, 1, [&](int64_t begin, int64_t end) {
+    f32x16 acc[GEMV_TILE_M][GEMV_ROWS];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * GEMV_ROWS;
+      const W* w = weight + n0 * K;
+      for (int64_t m0 = 0; m0 < M; m0 += GEMV_TILE_M) {
+        const int mr = int(std::min<int64_t>(GEMV_TILE_M, M - m0));
+        const float* xm = &xf[size_t(m0 * K)];
+        switch (mr) {
+          case 4: gemv_tile<4>(xm, K, w, m0 == 0, acc); break;
+          case 3: gemv_tile<3>(xm, K, w, m0 == 0, acc); break;
+          case 2: gemv_tile<2>(xm, K, w, m0 == 0, acc); break;
+          default: gemv_tile<1>(xm, K, w, m0 == 0, acc); break;
+        }
+        for (int i = 0; i < mr; ++i) {
+          for (int j = 0; j < GEMV_ROWS; ++j) {
+            from_float(hsum(acc[i][j]) * scale(n0 + j), op + (m0 + i) * N + n0 + j);
+          }
+        }
+      }
+    }
+  });
+  for (int64_t n = full_blocks * GEMV_ROWS; n < N; ++n) {  // N % 4 rows: one chain each
+    for (int64_t m = 0; m < M; ++m) {
+      f32x16 acc{};
+      for (int64_t k = 0; k < K; k += LANES) {
+        acc += load_vec<f32x16>(&xf[size_t(m * K + k)]) * load_weights(weight + n * K + k);
+      }
+      from_float(hsum(acc) * scale(n), op + m * N + n);
     }
   }
 }
@@ -255,45 +307,73 @@ inline void int8_tile(const float* x, int64_t K, const int8_t* w, bool prefetch,
 template <typename T>
 void int8_linear_impl(torch::Tensor out, torch::Tensor x, torch::Tensor qweight,
                       torch::Tensor scales) {
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  std::vector<float> xf(size_t(M * K));
-  const T* xp = x.data_ptr<T>();
-  for (int64_t i = 0; i < M * K; i += LANES) store_vec(&xf[size_t(i)], load16(xp + i));
-  const int8_t* q = qweight.data_ptr<int8_t>();
-  const T* sp = scales.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t full_blocks = N / INT8_ROWS;
-  at::parallel_for(0, full_blocks, 1, [&](int64_t begin, int64_t end) {
-    f32x16 acc[INT8_TILE_M][INT8_ROWS];
+  gemv<T, int8_t>(out, x, qweight.data_ptr<int8_t>(), qweight.size(0), scales.data_ptr<T>());
+}
+
+// --- few-row products with a oneDNN-prepacked bf16 weight, read in place ---
+// The layout oneDNN packs a bf16 linear weight into on AVX512-BF16 CPUs (engine/runner/models/
+// prepack.py checks it bit for bit at load, else this kernel is not used): blocks of 64 output
+// rows, one after the other; inside a block, for each pair of inputs (2p, 2p+1), the 64 rows'
+// two values side by side: element (n, k) at ((n / 64) * K/2 + k / 2) * 128 + (n % 64) * 2 + k % 2.
+// One 32-bit lane then holds row n's pair, so per pair the block is 4 vectors of 16 rows:
+// acc += low half * x[2p] + high half * x[2p + 1]. No horizontal sums, and each thread reads
+// its blocks as one contiguous stream (oneDNN's own GEMV on this layout reached ~16 GB/s in a
+// decode step; this ~25).
+constexpr int64_t PACK_ROWS = 64;
+
+template <int MR>
+void packed_bf16_block(const uint32_t* block, int64_t pairs, const float* x_even,
+                       const float* x_odd, c10::BFloat16* out, int64_t N) {
+  constexpr int J = PACK_ROWS / LANES;
+  // Even and odd inputs in their own accumulators: twice the independent FMA chains.
+  f32x16 acc[MR][J], acc_odd[MR][J];
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < J; ++j) acc[m][j] = acc_odd[m][j] = f32x16{};
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint32_t* row_pairs = block + p * PACK_ROWS;
+    for (int j = 0; j < J; ++j) {
+      const u32x16 bits = load_vec<u32x16>(row_pairs + j * LANES);
+      const f32x16 even = bits_to_floats(bits << 16);
+      const f32x16 odd = bits_to_floats(bits & 0xFFFF0000u);
+      for (int m = 0; m < MR; ++m) {
+        acc[m][j] += even * x_even[m * pairs + p];
+        acc_odd[m][j] += odd * x_odd[m * pairs + p];
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < J; ++j) store16(out + m * N + j * LANES, acc[m][j] + acc_odd[m][j]);
+  }
+}
+
+void packed_bf16_linear_impl(torch::Tensor out, torch::Tensor x, const c10::BFloat16* weight,
+                             int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), pairs = K / 2;
+  std::vector<float> xs(size_t(2 * M * pairs));  // x's even inputs, then its odd ones
+  float* x_even = xs.data();
+  float* x_odd = xs.data() + M * pairs;
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      x_even[m * pairs + p] = to_float(xp[m * K + 2 * p]);
+      x_odd[m * pairs + p] = to_float(xp[m * K + 2 * p + 1]);
+    }
+  }
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(weight);
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, N / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * INT8_ROWS;
-      const int8_t* w = q + n0 * K;
-      for (int64_t m0 = 0; m0 < M; m0 += INT8_TILE_M) {
-        const int mr = int(std::min<int64_t>(INT8_TILE_M, M - m0));
-        const float* xm = &xf[size_t(m0 * K)];
-        switch (mr) {
-          case 4: int8_tile<4>(xm, K, w, m0 == 0, acc); break;
-          case 3: int8_tile<3>(xm, K, w, m0 == 0, acc); break;
-          case 2: int8_tile<2>(xm, K, w, m0 == 0, acc); break;
-          default: int8_tile<1>(xm, K, w, m0 == 0, acc); break;
-        }
-        for (int i = 0; i < mr; ++i) {
-          for (int j = 0; j < INT8_ROWS; ++j) {
-            from_float(hsum(acc[i][j]) * to_float(sp[n0 + j]), op + (m0 + i) * N + n0 + j);
-          }
-        }
+      const uint32_t* block = w + b * pairs * PACK_ROWS;
+      c10::BFloat16* o = op + b * PACK_ROWS;
+      switch (M) {
+        case 1: packed_bf16_block<1>(block, pairs, x_even, x_odd, o, N); break;
+        case 2: packed_bf16_block<2>(block, pairs, x_even, x_odd, o, N); break;
+        case 3: packed_bf16_block<3>(block, pairs, x_even, x_odd, o, N); break;
+        default: packed_bf16_block<4>(block, pairs, x_even, x_odd, o, N); break;
       }
     }
   });
-  for (int64_t n = full_blocks * INT8_ROWS; n < N; ++n) {  // N % 4 rows: one chain each
-    for (int64_t m = 0; m < M; ++m) {
-      f32x16 acc{};
-      for (int64_t k = 0; k < K; k += LANES) {
-        acc += load_vec<f32x16>(&xf[size_t(m * K + k)]) * to_floats(load_vec<i8x16>(q + n * K + k));
-      }
-      from_float(hsum(acc) * to_float(sp[n]), op + m * N + n);
-    }
-  }
 }
 
 #define DISPATCH_MODEL_DTYPE(dtype, NAME, ...)                                   \
@@ -441,6 +521,24 @@ void int8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight,
   DISPATCH_MODEL_DTYPE(x.scalar_type(), int8_linear_impl, out, x, qweight, scales)
 }
 
+// weight_address: the packed weight's data (torch.ops.mkldnn.data_ptr of the module's packed
+// buffer, which owns it and never moves); N, K its logical shape, layout checked at load.
+void packed_bf16_linear(torch::Tensor out, torch::Tensor x, int64_t weight_address, int64_t N,
+                        int64_t K) {
+  check_rows("x", x, true);
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 && x.size(1) == K && K % 2 == 0 &&
+                        x.size(0) >= 1 && x.size(0) <= 4,
+                    "x: bfloat16 [1-4, ", K, "] expected, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK_VALUE(N > 0 && N % PACK_ROWS == 0 && weight_address != 0,
+                    "weight: N a multiple of 64 and a packed buffer expected, got N = ", N);
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                        out.size(1) == N && out.is_contiguous() &&
+                        out.scalar_type() == at::kBFloat16,
+                    "out: contiguous bfloat16 [M, N] expected, got ", out.scalar_type(), " ",
+                    out.sizes());
+  packed_bf16_linear_impl(out, x, reinterpret_cast<const c10::BFloat16*>(weight_address), N);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -451,4 +549,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_int4", &dequant_int4, "int4 blocks -> the transposed 16/32-bit weight [K, rows]");
   m.def("dequant_int8", &dequant_int8, "int8 rows * per-row scales -> 16/32-bit rows");
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-row scales).T for a few rows");
+  m.def("packed_bf16_linear", &packed_bf16_linear,
+        "x @ W.T for 1-4 rows, W bfloat16 in oneDNN's 64-row, pairs-of-inputs packed layout");
 }

@@ -96,6 +96,16 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     return out
 
 
+def packed_bf16_linear(
+    x: torch.Tensor, weight_address: int, out_features: int, in_features: int
+) -> torch.Tensor:
+    """x (bfloat16 [1-4, K]) @ W.T for W held in oneDNN's packed bf16 layout at
+    `weight_address` (engine/runner/models/prepack.py checks the layout and owns the buffer)."""
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    load_extension().packed_bf16_linear(out, x, weight_address, out_features, in_features)
+    return out
+
+
 def dequant_int8(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """w [rows, K] = qweight (int8 [rows, K], K % 16 == 0) * scales [rows], in scales' dtype."""
     load_extension().dequant_int8(w, qweight, scales)

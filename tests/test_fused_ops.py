@@ -236,5 +236,5 @@ def test_int8_linear_rejects_mismatched_inputs(fused):
         cpu_fused_ops.int8_linear(x, q, s.bfloat16())
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_fused_ops.int8_linear(torch.randn(2, 24), torch.zeros(8, 24, dtype=torch.int8), s)
-    with pytest.raises(ValueError, match="x: CPU .rows, cols. with a contiguous last dim"):
+    with pytest.raises(ValueError, match=r"x: CPU \[rows, cols\] with a contiguous last dim"):
         cpu_fused_ops.int8_linear(torch.randn(2, 64)[:, ::2], q, s)

@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.runner.models.prepack import PrepackedLinear, can_prepack, prepack_linears
+from engine.runner.models.prepack import (
+    PACKED_GEMV_MAX_ROWS,
+    PrepackedLinear,
+    can_prepack,
+    packed_layout_matches,
+    prepack_linears,
+)
 
 pytestmark = pytest.mark.skipif(
     not can_prepack(torch.device("cpu"), torch.bfloat16),
@@ -58,7 +64,10 @@ def test_engine_tokens_and_logprobs_unchanged_by_prepacking():
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     results = {}
     for prepack in (False, True):
-        llm = LLM(model="random:tiny", dtype="bfloat16", prepack_weights=prepack, seed=3)
+        # fused_ops off: oneDNN at every row count (the few-row C++ kernel sums in another
+        # order; tests below).
+        llm = LLM(model="random:tiny", dtype="bfloat16", prepack_weights=prepack, seed=3,
+                  fused_ops=False)  # fmt: skip
         packed = llm.engine.runner.num_prepacked_linears
         assert (packed > 0) is prepack
         results[prepack] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
@@ -93,3 +102,69 @@ def test_compare_preset_and_side_config_switch_prepacking():
     assert side_config(base, a, 1024, 256, head_dim=64).prepack_weights is False
     assert side_config(base, b, 1024, 256, head_dim=64).prepack_weights is True
     assert side_label("B", b, a) == "B: prepack_weights=True"
+
+
+def _packed_gemv_or_skip():
+    from kernels import cpu_fused_ops
+
+    if (why := cpu_fused_ops.cpu_fused_ops_status()) is not None:
+        pytest.skip(f"CPU fused ops unavailable: {why}")
+    if not packed_layout_matches(128, 96, torch.bfloat16):
+        pytest.skip("oneDNN packs bf16 weights in another layout on this CPU (no AVX512-BF16)")
+    return cpu_fused_ops
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(128, 96), (64, 576), (192, 32)])
+def test_few_rows_read_the_packed_weight_in_place(num_rows, n, k):
+    """packed_bf16_linear against the float32 product of the same bf16 values: only the
+    summation order and the output's rounding differ (so within a bf16 rounding or two)."""
+    kernels = _packed_gemv_or_skip()
+    gen = torch.Generator().manual_seed(num_rows * 100 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(num_rows, k, generator=gen).bfloat16()
+    layer = PrepackedLinear(w, b, kernels)
+    assert layer.gemv_kernels is kernels  # the layout check passed for this shape
+    ref = x.float() @ w.float().T
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (num_rows, n)
+    err = ((got - b).float() - ref).abs().max().item()
+    assert err <= 2**-7 * max(ref.abs().max().item(), 1.0)
+    # Above PACKED_GEMV_MAX_ROWS: oneDNN, bit for bit as F.linear.
+    many = torch.randn(PACKED_GEMV_MAX_ROWS + 1, k, generator=gen).bfloat16()
+    assert torch.equal(layer(many), F.linear(many, w, b))
+
+
+def test_the_layout_check_refuses_what_the_kernel_cannot_read():
+    assert not packed_layout_matches(100, 96, torch.bfloat16)  # N not a multiple of 64
+    assert not packed_layout_matches(128, 95, torch.bfloat16)  # odd K
+    assert not packed_layout_matches(192, 34, torch.bfloat16)  # K padded (oneDNN: to 32s)
+    assert not packed_layout_matches(128, 96, torch.float16)
+    layer = PrepackedLinear(torch.randn(100, 96).bfloat16(), None, kernels=object())
+    assert layer.gemv_kernels is None  # oneDNN for every row count
+
+
+def test_engine_decode_steps_use_the_packed_gemv(monkeypatch):
+    """With the fused ops and prepacking on (the CPU defaults), a batch-1 decode step's linears
+    go through packed_bf16_linear; off, none do."""
+    from engine import LLM, SamplingParams
+
+    kernels = _packed_gemv_or_skip()
+    calls = []
+    original = kernels.packed_bf16_linear
+
+    def counting(x, *args):
+        calls.append(x.shape[0])
+        return original(x, *args)
+
+    monkeypatch.setattr(kernels, "packed_bf16_linear", counting)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for fused in (False, True):
+        calls.clear()
+        llm = LLM(model="random:tiny", dtype="bfloat16", fused_ops=fused, seed=3)
+        outputs[fused] = llm.generate([[11, 12, 13, 14, 15]], params)[0].token_ids
+        assert bool(calls) is fused
+    assert set(calls) == {1}
+    assert len(outputs[True]) == len(outputs[False]) == 4

@@ -119,7 +119,8 @@ class DraftModel:
             field="speculative_quantization",
         )  # fmt: skip
         if config.prepack_weights and can_prepack(backend.device, backend.dtype):
-            prepack_linears(self.model)  # its 16-bit linears, as the target's (prepack.py)
+            # Its 16-bit linears, as the target's (prepack.py).
+            prepack_linears(self.model, ops.kernels)
         self.kv_caches: list = []  # allocate() fills it once the pool is sized
         # The last propose()'s forward passes, for the cost model: per pass (new tokens per
         # row, context per row after the pass, rows through the LM head).

@@ -93,7 +93,7 @@ class ModelRunner:
         # Linear layers packed for oneDNN (CPU, 16-bit); 0 when off or not possible here.
         self.num_prepacked_linears = 0
         if config.prepack_weights and can_prepack(self.device, self.dtype):
-            self.num_prepacked_linears = prepack_linears(self.model)
+            self.num_prepacked_linears = prepack_linears(self.model, self.layer_ops.kernels)
         # speculative_method="draft": the second model, its KV counted in the pool's budget.
         self.drafter: DraftModel | None = None
         if config.speculative_method == "draft":

@@ -13,6 +13,8 @@ output into it and normalizes the sum): the same additions in the same order as
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,9 @@ from engine.runner.models.arch import ModelArch
 
 class TorchOps:
     name = "torch"
+    # The C++ ops module (kernels/cpu_fused_ops.py) that linears may share for their few-row
+    # products; None: they keep oneDNN / aten (the whole torch "before").
+    kernels: ModuleType | None = None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Normalize in float32, scale in the model dtype: what Hugging Face does (parity).
