@@ -9,9 +9,10 @@ linears (q/k/v, o, gate/up, down of the preset's shape, random weights) and the 
 ways: the 16-bit matmul (the unquantized baseline), the CPU weight-only kernel, and
 dequantize-into-scratch + 16-bit GEMM. Prints JSON with the median microseconds per call and,
 per format, the smallest M from which dequantize + GEMM beats the kernel over the decoder
-layer. `--dequant cpu` (the default) dequantizes with the one-pass C++ kernels the engine uses
-with fused_ops (CPU_FUSED_DEQUANT_MIN_ROWS in engine/runner/quant/apply.py), `--dequant
-torch` with the torch ops it uses without them (CPU_DEQUANT_MIN_ROWS).
+layer. `--dequant cpu` (the default) runs what the engine runs with fused_ops: the one-pass
+C++ dequantization and, for int8, the C++ weight-only kernel (int8_linear)
+(CPU_FUSED_DEQUANT_MIN_ROWS in engine/runner/quant/apply.py); `--dequant torch` the torch ops
+and aten's kernels it uses without them (CPU_DEQUANT_MIN_ROWS).
 Timings are noisy when other processes share the cores.
 """
 
@@ -138,9 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     shapes = layer_shapes(args.preset)
     kernels = None
     if args.dequant == "cpu":
-        from kernels.cpu_fused_ops import load_extension
+        from kernels import cpu_fused_ops
 
-        kernels = load_extension()  # CpuKernelUnavailable (with the reason) without g++
+        cpu_fused_ops.load_extension()  # CpuKernelUnavailable (with the reason) without g++
+        kernels = cpu_fused_ops  # the checked wrappers, as the engine's layers get them
     with torch.inference_mode():
         results = measure(make_layers(shapes, dtype, kernels), args.rows, args.repeats, dtype)
     emit(

@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.core.detokenizer import token_slice
 from engine.core.scheduler import ScheduledRequest
 from engine.request import Request
-from engine.runner.attention.base import AttentionBackend, AttentionInputs
+from engine.runner.attention.base import AttentionBackend, AttentionInputs, slots_of
 from engine.runner.model_build import WeightFormat, build_model
 from engine.runner.model_loader import ModelSource, load_tokenizer, resolve_model
 from engine.runner.models.layer_ops import TorchOps
@@ -235,13 +235,13 @@ class DraftModel:
         return self.model.compute_logits(self._forward(input_ids, positions, inputs))
 
     def _slots(self, rows: list[_Row], positions: list[int], one_each: bool = False):
-        bs = self.block_size
         slots: list[int] = []
         i = 0
         for r in rows:
             count = 1 if one_each else r.end - r.start
-            table = r.scheduled.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in positions[i : i + count])
+            slots.extend(
+                slots_of(r.scheduled.block_table, positions[i : i + count], self.block_size)
+            )
             i += count
         return torch.tensor(slots, device=self.device)
 

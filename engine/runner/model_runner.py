@@ -21,7 +21,7 @@ from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.spec_decode import verify
 from engine.request import Request, SamplingParams
 from engine.runner.attention import default_backend_name, get_backend
-from engine.runner.attention.base import AttentionBackend, AttentionInputs
+from engine.runner.attention.base import AttentionBackend, AttentionInputs, slots_of
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.draft_model import Draft, DraftModel, resolve_draft_source
 from engine.runner.logprobs import add_logprobs, prompt_logit_rows
@@ -273,14 +273,13 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        bs = self.block_size
         for s in ordered:
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
             input_ids.extend(token_slice(s.request, start, end))
             input_ids.extend(self._draft_ids(s))  # drafts sit past the known tokens
             positions.extend(range(start, end))
-            slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(slots_of(s.block_table, range(start, end), self.block_size))
         return StepInputs(ordered, len(decodes), input_ids, positions, slots)
 
     def _forward(self, step: StepInputs) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -27,6 +28,11 @@ from engine.runner.attention.kv_quant import (
     calculate_fp8_scale_,
     storage_dtype,
 )
+
+
+def slots_of(block_table: list[int], positions: Iterable[int], block_size: int) -> list[int]:
+    """The cache slots of a request's tokens at `positions` (the formula in the module doc)."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 @dataclass(frozen=True)
