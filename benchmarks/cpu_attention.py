@@ -4,7 +4,11 @@
     python -m benchmarks.cpu_attention --batch 1 --context 2048 --json results/cpu_attn.json
 
 The paged cache is the torch backend's head-major one ([Hkv, blocks, 16, D], shuffled blocks),
-with SmolLM2's shape by default (9 query heads, 3 KV heads, head_dim 64). Timed, per layer,
+with SmolLM2's shape by default (9 query heads, 3 KV heads, head_dim 64). As in a decode step,
+each timed call runs --layers layers in turn, each over its own cache allocated the way the
+engine allocates its pool (transparent huge pages, engine/runner/attention/host_memory.py), and
+the per-layer time is the call's over the layer count: one layer's 20 MB timed again and again
+would sit in a 32 MB L3 that a real step, reading 30 layers' caches, never has. Timed, per layer,
 store excluded (every path stores the same way):
 - gather: the torch backend copying each request's blocks into its workspace (index_select);
 - gather_bmm: the torch backend's decode path (gather, then two batched matmuls);
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 from benchmarks.common import emit
 from engine.core.block_manager import cdiv
 from engine.runner.attention.base import AttentionInputs
+from engine.runner.attention.host_memory import zeros_in_huge_pages
 from engine.runner.attention.kv_quant import LayerKVCache
 from engine.runner.attention.torch_backend import TorchBackend, _gather, decode_attention
 from engine.telemetry.ceilings import measure_bandwidth
@@ -52,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--layers", type=int, default=30, help="caches read in turn per call")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -94,8 +100,13 @@ def main() -> None:
     backend = TorchBackend(hkv, dim, bs, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(args.seed)
     shape = backend.kv_cache_shape(num_blocks)  # [Hkv, blocks, bs, D]
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    caches = []
+    for _ in range(args.layers):
+        layer = [zeros_in_huge_pages(shape, dtype, torch.device("cpu")) for _ in range(2)]
+        for c in layer:
+            c.copy_(torch.randn(shape, generator=gen))
+        caches.append(layer)
+    k_cache, v_cache = caches[0]  # the one the outputs are compared on
     query = torch.randn(args.batch, args.num_heads, dim, generator=gen).to(dtype)
     scale = dim**-0.5
     inputs = AttentionInputs(
@@ -105,14 +116,14 @@ def main() -> None:
     )  # fmt: skip
     meta = backend.build_metadata(inputs, [LayerKVCache(k_cache, v_cache)])
 
-    def gather():
+    def gather(layer):
         for g in meta.decode_groups:
-            _gather(LayerKVCache(k_cache, v_cache), g.gather_index, meta.workspace)
+            _gather(LayerKVCache(*layer), g.gather_index, meta.workspace)
 
-    def gather_then(attend):
+    def gather_then(attend, layer):
         out = torch.empty_like(query)
         for g in meta.decode_groups:
-            k, v = _gather(LayerKVCache(k_cache, v_cache), g.gather_index, meta.workspace)
+            k, v = _gather(LayerKVCache(*layer), g.gather_index, meta.workspace)
             n = g.end - g.start
             k, v = k.view(hkv, n, -1, dim), v.view(hkv, n, -1, dim)
             out[g.start : g.end] = attend(query[g.start : g.end], k, v, g.ctx_mask)
@@ -130,27 +141,34 @@ def main() -> None:
         [t + [0] * (cdiv(hi, bs) - len(t)) for t in tables], dtype=torch.int32
     )
     kernel_lens = torch.tensor(seq_lens, dtype=torch.int32)
-    k_view, v_view = k_cache.permute(1, 2, 0, 3), v_cache.permute(1, 2, 0, 3)
     kernel_out = torch.empty_like(query)
     starts = torch.arange(args.batch + 1, dtype=torch.int32)
 
-    def kernel():
+    def kernel(layer):
+        k_view, v_view = (c.permute(1, 2, 0, 3) for c in layer)  # the kernel's view
         return paged_attention_decode_cpu(
             query, k_view, v_view, kernel_tables, kernel_lens, scale, out=kernel_out,
             query_start_loc=starts,
         )  # fmt: skip
 
     paths = {
-        "gather_bmm": lambda: gather_then(lambda q, k, v, m: decode_attention(q, k, v, m, scale)),
-        "gather_sdpa": lambda: gather_then(sdpa),
+        "gather_bmm": lambda layer: gather_then(
+            lambda q, k, v, m: decode_attention(q, k, v, m, scale), layer
+        ),
+        "gather_sdpa": lambda layer: gather_then(sdpa, layer),
         "cpu_kernel": kernel,
     }
-    outs = {name: fn().float() for name, fn in paths.items()}
+    outs = {name: fn(caches[0]).float() for name, fn in paths.items()}
     ref = outs["gather_sdpa"]
     agreement = {n: ((o - ref).norm() / ref.norm()).item() for n, o in outs.items()}
 
-    results = {"gather": time_ms(gather, args.repeats)}
-    results |= {name: time_ms(fn, args.repeats) for name, fn in paths.items()}
+    def per_layer(fn) -> dict[str, float]:
+        """One call = every layer in turn (as a step); its times over the layer count."""
+        times = time_ms(lambda: [fn(layer) for layer in caches], args.repeats)
+        return {k: v / len(caches) for k, v in times.items()}
+
+    results = {"gather": per_layer(gather)}
+    results |= {name: per_layer(fn) for name, fn in paths.items()}
     bandwidth = measure_bandwidth("cpu")
     kv_bytes = 2 * sum(seq_lens) * hkv * dim * k_cache.element_size()
     floor_ms = kv_bytes / bandwidth * 1e3
@@ -169,6 +187,7 @@ def main() -> None:
                 "dtype": args.dtype,
             },
             "threads": torch.get_num_threads(),
+            "layers_in_turn": args.layers,
             "decode_groups": len(meta.decode_groups),
             "per_layer": results,
             "kv_bytes": kv_bytes,
