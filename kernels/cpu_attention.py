@@ -28,7 +28,7 @@ def load_extension() -> ModuleType:
 
 
 def cpu_kernel_status() -> str | None:
-    """None when the kernel load; else why not (for a log line or the UI)."""
+    """None when the kernel loads; else why not (for a log line or the UI)."""
     return unavailable_reason(load_extension)
 
 

@@ -223,83 +223,33 @@ void dequant_int8_impl(torch::Tensor w, torch::Tensor qweight, torch::Tensor sca
   });
 }
 
-// --- matrix-vector products for decode's few rows: out [M, N] = x [M, K] @ W.T ---
-// W [N, K] row-major, int8 with per-row scales (W8A16); templated on W for other row-major
-// weight types (a load_weights overload each). A thread takes GEMV_ROWS weight rows at a time
-// and runs the x rows over them in tiles of up to GEMV_TILE_M: each weight vector is widened
-// once per tile, and the tile's GEMV_TILE_M x GEMV_ROWS accumulators are independent FMA
-// chains (one chain waits on each FMA's latency).
-// x is widened to float32 once per call.
-constexpr int64_t GEMV_ROWS = 4;
-constexpr int GEMV_TILE_M = 4;
-// Weight rows are requested two blocks ahead, a cache line per 64 bytes consumed: four
-// interleaved rows of K elements are streams too short for the hardware prefetcher (int8:
-// measured 6 GB/s per core from DRAM without, 18 with, on a 2-core EPYC).
-constexpr int64_t GEMV_PREFETCH_BLOCKS = 2;
+// --- int8 matrix-vector products for decode's few rows (W8A16) ---
+// out [M, N] = x [M, K] @ (q [N, K] * s [N, None]).T, q row-major. A thread takes INT8_ROWS
+// weight rows at a time and runs the x rows over them in tiles of up to INT8_TILE_M: each
+// weight vector is widened once per tile, and the tile's INT8_TILE_M x INT8_ROWS accumulators
+// are independent FMA chains (one chain waits on each FMA's latency). x is widened to float32
+// once per call.
+constexpr int64_t INT8_ROWS = 4;
+constexpr int INT8_TILE_M = 4;
+// Weight rows are requested two blocks ahead, one cache line (INT8_ROWS x 16 bytes) per step:
+// four interleaved rows of K bytes are streams too short for the hardware prefetcher (measured
+// 6 GB/s per core from DRAM without, 18 with, on a 2-core EPYC).
+constexpr int64_t INT8_PREFETCH_BLOCKS = 2;
 
-inline f32x16 load_weights(const int8_t* p) { return to_floats(load_vec<i8x16>(p)); }
-
-template <int MR, typename W>
-inline void gemv_tile(const float* x, int64_t K, const W* w, bool prefetch,
-                      f32x16 (&acc)[GEMV_TILE_M][GEMV_ROWS]) {
+template <int MR>
+inline void int8_tile(const float* x, int64_t K, const int8_t* w, bool prefetch,
+                      f32x16 (&acc)[INT8_TILE_M][INT8_ROWS]) {
   for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < GEMV_ROWS; ++j) acc[i][j] = f32x16{};
+    for (int j = 0; j < INT8_ROWS; ++j) acc[i][j] = f32x16{};
   }
-  const char* ahead = reinterpret_cast<const char*>(w + GEMV_PREFETCH_BLOCKS * GEMV_ROWS * K);
+  const int8_t* ahead = w + INT8_PREFETCH_BLOCKS * INT8_ROWS * K;
   for (int64_t k = 0; k < K; k += LANES) {
-    if (prefetch) {  // GEMV_ROWS * 16 elements consumed per step
-      for (int64_t b = 0; b < int64_t(GEMV_ROWS * LANES * sizeof(W)); b += 64) {
-        __builtin_prefetch(ahead + GEMV_ROWS * k * int64_t(sizeof(W)) + b);
-      }
-    }
-    f32x16 wv[GEMV_ROWS];
-    for (int j = 0; j < GEMV_ROWS; ++j) wv[j] = load_weights(w + j * K + k);
+    if (prefetch) __builtin_prefetch(ahead + INT8_ROWS * k);
+    f32x16 wv[INT8_ROWS];
+    for (int j = 0; j < INT8_ROWS; ++j) wv[j] = to_floats(load_vec<i8x16>(w + j * K + k));
     for (int i = 0; i < MR; ++i) {
       const f32x16 xv = load_vec<f32x16>(x + i * K + k);
-      for (int j = 0; j < GEMV_ROWS; ++j) acc[i][j] += xv * wv[j];
-    }
-  }
-}
-
-// T: x's and out's dtype; W: the weight's; scales (int8) in T, nullptr = 1.
-template <typename T, typename W>
-void gemv(torch::Tensor out, torch::Tensor x, const W* weight, int64_t N, const T* scales) {
-  const int64_t M = x.size(0), K = x.size(1);
-  std::vector<float> xf(size_t(M * K));
-  const T* xp = x.data_ptr<T>();
-  for (int64_t i = 0; i < M * K; i += LANES) store_vec(&xf[size_t(i)], load16(xp + i));
-  T* op = out.data_ptr<T>();
-  auto scale = [&](int64_t n) { return scales ? to_float(scales[n]) : 1.0f; };
-  const int64_t full_blocks = N / GEMV_ROWS;
-  at::parallel_for(0, full_blocks, 1, [&](int64_t begin, int64_t end) {
-    f32x16 acc[GEMV_TILE_M][GEMV_ROWS];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * GEMV_ROWS;
-      const W* w = weight + n0 * K;
-      for (int64_t m0 = 0; m0 < M; m0 += GEMV_TILE_M) {
-        const int mr = int(std::min<int64_t>(GEMV_TILE_M, M - m0));
-        const float* xm = &xf[size_t(m0 * K)];
-        switch (mr) {
-          case 4: gemv_tile<4>(xm, K, w, m0 == 0, acc); break;
-          case 3: gemv_tile<3>(xm, K, w, m0 == 0, acc); break;
-          case 2: gemv_tile<2>(xm, K, w, m0 == 0, acc); break;
-          default: gemv_tile<1>(xm, K, w, m0 == 0, acc); break;
-        }
-        for (int i = 0; i < mr; ++i) {
-          for (int j = 0; j < GEMV_ROWS; ++j) {
-            from_float(hsum(acc[i][j]) * scale(n0 + j), op + (m0 + i) * N + n0 + j);
-          }
-        }
-      }
-    }
-  });
-  for (int64_t n = full_blocks * GEMV_ROWS; n < N; ++n) {  // N % 4 rows: one chain each
-    for (int64_t m = 0; m < M; ++m) {
-      f32x16 acc{};
-      for (int64_t k = 0; k < K; k += LANES) {
-        acc += load_vec<f32x16>(&xf[size_t(m * K + k)]) * load_weights(weight + n * K + k);
-      }
-      from_float(hsum(acc) * scale(n), op + m * N + n);
+      for (int j = 0; j < INT8_ROWS; ++j) acc[i][j] += xv * wv[j];
     }
   }
 }
@@ -307,7 +257,45 @@ void gemv(torch::Tensor out, torch::Tensor x, const W* weight, int64_t N, const 
 template <typename T>
 void int8_linear_impl(torch::Tensor out, torch::Tensor x, torch::Tensor qweight,
                       torch::Tensor scales) {
-  gemv<T, int8_t>(out, x, qweight.data_ptr<int8_t>(), qweight.size(0), scales.data_ptr<T>());
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  std::vector<float> xf(size_t(M * K));
+  const T* xp = x.data_ptr<T>();
+  for (int64_t i = 0; i < M * K; i += LANES) store_vec(&xf[size_t(i)], load16(xp + i));
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const T* sp = scales.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t full_blocks = N / INT8_ROWS;
+  at::parallel_for(0, full_blocks, 1, [&](int64_t begin, int64_t end) {
+    f32x16 acc[INT8_TILE_M][INT8_ROWS];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * INT8_ROWS;
+      const int8_t* w = q + n0 * K;
+      for (int64_t m0 = 0; m0 < M; m0 += INT8_TILE_M) {
+        const int mr = int(std::min<int64_t>(INT8_TILE_M, M - m0));
+        const float* xm = &xf[size_t(m0 * K)];
+        switch (mr) {
+          case 4: int8_tile<4>(xm, K, w, m0 == 0, acc); break;
+          case 3: int8_tile<3>(xm, K, w, m0 == 0, acc); break;
+          case 2: int8_tile<2>(xm, K, w, m0 == 0, acc); break;
+          default: int8_tile<1>(xm, K, w, m0 == 0, acc); break;
+        }
+        for (int i = 0; i < mr; ++i) {
+          for (int j = 0; j < INT8_ROWS; ++j) {
+            from_float(hsum(acc[i][j]) * to_float(sp[n0 + j]), op + (m0 + i) * N + n0 + j);
+          }
+        }
+      }
+    }
+  });
+  for (int64_t n = full_blocks * INT8_ROWS; n < N; ++n) {  // N % 4 rows: one chain each
+    for (int64_t m = 0; m < M; ++m) {
+      f32x16 acc{};
+      for (int64_t k = 0; k < K; k += LANES) {
+        acc += load_vec<f32x16>(&xf[size_t(m * K + k)]) * to_floats(load_vec<i8x16>(q + n * K + k));
+      }
+      from_float(hsum(acc) * to_float(sp[n]), op + m * N + n);
+    }
+  }
 }
 
 // --- few-row products with a oneDNN-prepacked bf16 weight, read in place ---

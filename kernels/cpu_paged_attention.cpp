@@ -37,8 +37,8 @@ namespace {
 
 using namespace cpu_simd;  // f32x16 & co., load_vec, hsum, to_float (cpu_simd.h)
 // (Plain loops with 16 accumulators were left scalar by GCC 12: hence the vector types.)
-constexpr int QUERY_CHUNK = 16;
-constexpr int CACHE_LINE = 64;  // bytes  // query tokens per work item (prefill); decode has 1
+constexpr int QUERY_CHUNK = 16;  // query tokens per work item (prefill); decode has 1
+constexpr int CACHE_LINE = 64;   // bytes
 
 // All 256 float8_e4m3fn values as float32: a table lookup beats the bit manipulation.
 const float* fp8_table() {
@@ -196,22 +196,20 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
   const int64_t row_bytes = int64_t(D) * sizeof(C);
   const int64_t k_token_bytes = p.k.token_stride * sizeof(C);
   const int64_t v_token_bytes = p.v.token_stride * sizeof(C);
+  // This item's KV head in a block of the cache.
+  auto head_rows = [kv_head](const CacheView& c, int64_t block) {
+    return static_cast<const C*>(c.data) + block * c.block_stride + kv_head * c.head_stride;
+  };
   for (int start = 0; start < num_keys; start += bs) {
     const int64_t block = table[start / bs];
     const int n = std::min(bs, num_keys - start);
-    const C* k_base = static_cast<const C*>(p.k.data) + block * p.k.block_stride +
-                      int64_t(kv_head) * p.k.head_stride;
-    const C* v_base = static_cast<const C*>(p.v.data) + block * p.v.block_stride +
-                      int64_t(kv_head) * p.v.head_stride;
+    const C* k_base = head_rows(p.k, block);
+    const C* v_base = head_rows(p.v, block);
     // The next block's rows are requested while this one's are converted: blocks sit anywhere
     // in the pool, and the hardware prefetcher does not follow a jump to the next one.
     const int64_t next = start + bs < num_keys ? table[start / bs + 1] : block;
-    const char* k_next = reinterpret_cast<const char*>(static_cast<const C*>(p.k.data) +
-                                                       next * p.k.block_stride +
-                                                       int64_t(kv_head) * p.k.head_stride);
-    const char* v_next = reinterpret_cast<const char*>(static_cast<const C*>(p.v.data) +
-                                                       next * p.v.block_stride +
-                                                       int64_t(kv_head) * p.v.head_stride);
+    const char* k_next = reinterpret_cast<const char*>(head_rows(p.k, next));
+    const char* v_next = reinterpret_cast<const char*>(head_rows(p.v, next));
     for (int t = 0; t < n; ++t) {
       for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
         __builtin_prefetch(k_next + t * k_token_bytes + line);
