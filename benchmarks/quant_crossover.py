@@ -71,7 +71,7 @@ def make_layers(shapes, dtype, kernels) -> dict[str, dict[str, QuantLinear | tor
             "int4": Int4Linear(quantize_int4(w, GROUP_SIZE), None, dtype, scratch, 0),
         }
         for fmt in ("int8", "int4"):
-            layers[name][fmt].cpu_kernels = kernels  # None: the torch dequantization
+            layers[name][fmt].use_cpu_kernels(kernels)  # None: the torch dequantization
     return layers
 
 

@@ -158,7 +158,7 @@ def test_cpu_one_pass_dequantization_matches_the_reference(dtype, scratch_rows):
     for layer in layers:
         ref = x.float() @ layer.dequantized_weight().t() + layer.bias.float()
         for kernels in (None, cpu_fused_ops):  # the torch dequantization, then the C++ one
-            layer.cpu_kernels = kernels
+            layer.use_cpu_kernels(kernels)
             _assert_close(layer(x), ref, dtype)
     int4 = layers[1]
     wt = torch.empty(128, 384, dtype=dtype)
@@ -166,6 +166,21 @@ def test_cpu_one_pass_dequantization_matches_the_reference(dtype, scratch_rows):
     _assert_close(wt.t(), int4.dequantized_weight(), dtype)
     with pytest.raises(ValueError, match="rows: whole 64-row blocks"):
         cpu_fused_ops.dequant_int4(wt, int4.packed, int4.scale_and_zero, 32, 0, 100)
+
+
+def test_layers_keep_the_torch_ops_for_shapes_the_cpp_ops_do_not_take():
+    """use_cpu_kernels decides once per layer: int8 needs K % 16 == 0, int4 whole 64-row blocks
+    and groups of whole vectors; other layers keep the torch dequantization (and aten)."""
+    from kernels import cpu_fused_ops
+
+    scratch = DequantScratch(96 * 72, torch.float32, torch.device("cpu"))
+    fits = Int8Linear(quantize_int8(_weight(96, 64)), None, torch.float32, scratch, 0)
+    odd_k = Int8Linear(quantize_int8(_weight(96, 72)), None, torch.float32, scratch, 0)
+    tail_rows = Int4Linear(quantize_int4(_weight(80, 64), 32), None, torch.float32, scratch, 0)
+    for layer in (fits, odd_k, tail_rows):
+        layer.use_cpu_kernels(cpu_fused_ops)
+    assert fits.cpu_kernels is cpu_fused_ops
+    assert odd_k.cpu_kernels is None and tail_rows.cpu_kernels is None
 
 
 def test_weight_bytes_count_scales_and_zeros():

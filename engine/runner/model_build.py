@@ -81,7 +81,7 @@ def _share_cpu_kernels(model: LlamaForCausalLM, ops: TorchOps, summary: QuantSum
     rows = CPU_FUSED_DEQUANT_MIN_ROWS if summary.dequant_min_rows else 0
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.cpu_kernels = ops.kernels
+            module.use_cpu_kernels(ops.kernels)
             module.dequant_min_rows = rows
     return replace(summary, dequant_min_rows=rows)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +68,19 @@ class QuantLinear(nn.Module):
         # Which weight-only kernel the small-M path calls: "triton" on CUDA, "cpu" (aten's)
         # otherwise; tests set "triton" on CPU to run the Triton kernels under the interpreter.
         self.weight_only_kernel = "triton" if scratch.buffer.device.type == "cuda" else "cpu"
-        # The C++ CPU ops (kernels/cpu_fused_ops.py) when the model runs them (fused_ops):
-        # one-pass dequantization for the many-rows path; None = the torch ops.
+        # The C++ CPU ops (kernels/cpu_fused_ops.py) when the model runs them (fused_ops) and
+        # they take this layer's shape: one-pass dequantization for the many-rows path (and
+        # int8's few-row kernel); None = the torch ops. Set with use_cpu_kernels.
         self.cpu_kernels = None
         self.chunk_rows = self._chunk_rows()
+
+    def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
+        """Run the C++ ops where they take this layer's shape (decided once, not per call)."""
+        self.cpu_kernels = kernels if kernels is not None and self.cpu_kernels_fit() else None
+
+    def cpu_kernels_fit(self) -> bool:
+        """Whether the C++ ops take this layer's shape."""
+        raise NotImplementedError
 
     def _chunk_rows(self) -> int:
         """Output rows dequantized at once: all, or what fits the scratch (whole int4 blocks)."""
@@ -139,7 +149,7 @@ class Int8Linear(QuantLinear):
             from kernels.w8a16_gemm import w8a16_gemm  # imports Triton: only when used
 
             return w8a16_gemm(x, self.qweight, self.scales)
-        if self.cpu_kernels is not None and self.in_features % 16 == 0:
+        if self.cpu_kernels is not None:
             # The C++ kernel prefetches the weight rows: 2x aten's bytes/s from DRAM at batch 1
             # (kernels/cpu_fused_ops.cpp, int8_linear).
             return self.cpu_kernels.int8_linear(x, self.qweight, self.scales)
@@ -147,8 +157,11 @@ class Int8Linear(QuantLinear):
         # ~4 us per call were a tenth of a batch-1 step's matmul time).
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
+    def cpu_kernels_fit(self) -> bool:
+        return self.in_features % 16 == 0  # whole vectors of a row
+
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernels is not None and self.in_features % 16 == 0:
+        if self.cpu_kernels is not None:
             self.cpu_kernels.dequant_int8(out, self.qweight[start:end], self.scales[start:end])
             return out
         out.copy_(self.qweight[start:end])
@@ -184,9 +197,12 @@ class Int4Linear(QuantLinear):
             x, self.packed, self.group_size, self.scale_and_zero
         )
 
+    def cpu_kernels_fit(self) -> bool:
+        # The C++ dequantization writes whole 64-row blocks and 16-element vectors of a group.
+        return self.out_features % INT4_BLOCK_ROWS == 0 and self.group_size % 16 == 0
+
     def dequant_rows_mm(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        n = self.out_features
-        if self.cpu_kernels is None or n % INT4_BLOCK_ROWS or self.group_size % 16:
+        if self.cpu_kernels is None:
             return super().dequant_rows_mm(x, start, end)
         # The C++ kernel writes the weight transposed, [K, rows]: one packed k of a 64-row
         # block is 64 consecutive elements there (whole-vector stores), and x @ W.T is then a
