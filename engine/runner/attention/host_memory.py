@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -54,6 +55,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return True
 
 
+@functools.cache  # find_library runs ldconfig: once per process, not per pool
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
