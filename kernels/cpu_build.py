@@ -47,11 +47,12 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-SIMD_HEADER = Path(__file__).with_name("cpu_simd.h")  # included by every kernel source
+HEADERS_DIR = Path(__file__).parent  # the kernels' headers (cpu_simd.h & co.) live beside them
 
 
 def build_name(prefix: str, sources: Sequence[Path]) -> str:
-    texts = [s.read_text() for s in (*sources, SIMD_HEADER)]
+    headers = sorted(HEADERS_DIR.glob("*.h"))  # any header a source includes changes the build
+    texts = [s.read_text() for s in (*sources, *headers)]
     parts = [*texts, " ".join(CFLAGS), torch.__version__]
     parts.append(_cpu_signature())
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]

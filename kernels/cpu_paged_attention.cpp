@@ -23,9 +23,11 @@
 #include <omp.h>
 
 #include "cpu_simd.h"
+#include "cpu_decode_bf16.h"
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <cmath>
 #include <cstdint>
@@ -254,10 +256,50 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
   }
 }
 
+// Decode rows (a sequence's only new token) of a bfloat16 query and cache go through
+// cpu_decode_bf16 where the CPU has AVX512-BF16 and the shape has an instantiation.
+#if defined(__AVX512BF16__)
+using FastDecode = cpu_decode_bf16::AttendFn;
+#else
+using FastDecode = void (*)();
+#endif
+
+template <typename Q, typename C>
+FastDecode fast_decode(const Problem& p) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+    return cpu_decode_bf16::select(p.head_dim, p.group);
+  }
+#endif
+  return nullptr;
+}
+
+// True if `fast` served the item (a decode row); false leaves it to attend_item.
+template <typename Q>
+bool attend_decode_fast(FastDecode fast, const Problem& p, const WorkItem& item, int kv_head,
+                        const Q* query, Q* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Q, c10::BFloat16>) {
+    const int token = p.query_start_loc[item.seq];
+    if (fast == nullptr || p.query_start_loc[item.seq + 1] - token != 1) return false;
+    const int first_head = kv_head * p.group;
+    fast(query + token * p.q_token_stride + first_head * p.q_head_stride, p.q_head_stride,
+         out + token * p.o_token_stride + first_head * p.o_head_stride, p.o_head_stride,
+         static_cast<const Q*>(p.k.data) + kv_head * p.k.head_stride,
+         static_cast<const Q*>(p.v.data) + kv_head * p.v.head_stride, p.k.block_stride,
+         p.k.token_stride, p.v.token_stride, p.block_tables + int64_t(item.seq) * p.table_stride,
+         p.block_size, p.seq_lens[item.seq], p.scale);
+    return true;
+  }
+#endif
+  return false;
+}
+
 template <typename Q, typename C>
 void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q* out) {
   const int64_t total = int64_t(items.size()) * p.num_kv_heads;
   const int max_rows = QUERY_CHUNK * p.group;
+  const FastDecode fast = fast_decode<Q, C>(p);
   // torch's intra-op thread count; dynamic schedule: items differ in context length.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -265,8 +307,11 @@ void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q
     scratch.size_for(max_rows, p.block_size, p.head_dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < total; ++w) {
-      attend_item<Q, C>(p, items[w / p.num_kv_heads], int(w % p.num_kv_heads), query, out,
-                        scratch);
+      const WorkItem& item = items[w / p.num_kv_heads];
+      const int kv_head = int(w % p.num_kv_heads);
+      if (!attend_decode_fast(fast, p, item, kv_head, query, out)) {
+        attend_item<Q, C>(p, item, kv_head, query, out, scratch);
+      }
     }
   }
 }

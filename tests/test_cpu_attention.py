@@ -67,6 +67,28 @@ def test_decode_matches_reference(
 
 
 @pytest.mark.parametrize(
+    ("block_size", "head_dim", "num_kv_heads", "group_size", "seq_lens"),
+    [
+        (8, 64, 2, 4, [5, 16, 100]),  # blocks shorter than the 16-key reduction tree
+        (64, 128, 2, 2, [63, 64, 65, 640]),  # 4 trees per block, tails of 15, 0 and 1 keys
+        (16, 64, 1, 12, [40]),  # a group with no AVX512-BF16 instantiation: the generic path
+        (16, 96, 2, 2, [40]),  # likewise a head_dim
+    ],
+)
+def test_bf16_decode_shapes(block_size, head_dim, num_kv_heads, group_size, seq_lens):
+    """bfloat16 decode takes cpu_decode_bf16.h's path where the CPU has AVX512-BF16 and the
+    shape an instantiation, the generic one elsewhere: both must match the reference."""
+    query, k_cache, v_cache, block_tables, seq_lens_t, scale = decode_case(
+        BF16, block_size, head_dim, num_kv_heads, group_size, seq_lens
+    )
+    ref = paged_attention_decode_ref(query, k_cache, v_cache, block_tables, seq_lens_t, scale)
+    out = torch.full_like(query, float("nan"))
+    paged_attention_decode_cpu(query, k_cache, v_cache, block_tables, seq_lens_t, scale, out=out)
+    assert not out.isnan().any(), "output not fully written (or NaN cache slot read)"
+    assert relative_error(out, ref) <= TOLERANCE[BF16]
+
+
+@pytest.mark.parametrize(
     ("dtype", "block_size", "head_dim", "num_kv_heads", "group_size", "requests"), PREFILL_CASES
 )
 def test_prefill_matches_reference(dtype, block_size, head_dim, num_kv_heads, group_size, requests):

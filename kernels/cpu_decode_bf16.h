@@ -1,0 +1,215 @@
+// Decode attention for a bfloat16 query and cache on CPUs with AVX512-BF16 (Zen 4, Sapphire
+// Rapids and later): one query token per sequence, one (sequence, KV head) per call, the G
+// query heads of the KV head (GQA) sharing every K/V row loaded. Included by
+// cpu_paged_attention.cpp, which falls back to its generic path elsewhere.
+//
+// Why a second path: at batch 64 x ~400 tokens the generic one spent ~4x the floor (K/V bytes
+// over bandwidth) mostly on instructions, not on memory: it widened every K and V row to
+// float32 in a scratch block, then reduced each (head, token) dot product across 16 lanes
+// (~8 shuffle/add steps per score). Here:
+// - Q.K: vdpbf16ps multiplies bfloat16 pairs straight from the cache row into float32 lanes
+//   (products of two bfloat16 are exact in float32, so only the summation order changes);
+//   each token's 16 partial sums go to a small scratch, and the block's 16 tokens are reduced
+//   together by a transpose-and-add tree (45 steps per 16 scores instead of ~128), leaving the
+//   scores one per lane, ready for the vector softmax.
+// - P.V: each V row is widened once into registers and accumulated into all G heads' float32
+//   accumulators, which stay in registers for the whole sequence (G x D/16 vectors).
+// - The next block's K/V rows are prefetched while this one is computed: blocks sit anywhere
+//   in the pool and the hardware prefetcher does not follow the jump.
+// The softmax scale multiplies the float32 scores (the generic path pre-scales q instead).
+#pragma once
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+namespace cpu_decode_bf16 {
+
+constexpr int TOKENS = 16;  // keys per reduction tree (one per float32 lane)
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 3
+#endif
+
+// r[t] = sum of the 16 lanes of v[t], for 16 vectors: four levels, each folding pairs of
+// vectors into one by adding each one's two halves (token order kept, see the indices).
+inline __m512 transpose_sum(const __m512* v) {
+  // Level 1: w[i] = [v[2i] lanes 0-7 + 8-15 | v[2i+1] lanes 0-7 + 8-15].
+  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                        30, 31);
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo1, v[2 * i + 1]),
+                         _mm512_permutex2var_ps(v[2 * i], hi1, v[2 * i + 1]));
+  }
+  // Level 2: 4 lanes per token, tokens 4i..4i+3.
+  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                        31);
+  __m512 x[4];
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm512_add_ps(_mm512_permutex2var_ps(w[2 * i], lo2, w[2 * i + 1]),
+                         _mm512_permutex2var_ps(w[2 * i], hi2, w[2 * i + 1]));
+  }
+  // Level 3: 2 lanes per token, tokens 8i..8i+7.
+  const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i hi3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                        31);
+  __m512 y[2];
+  for (int i = 0; i < 2; ++i) {
+    y[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], lo3, x[2 * i + 1]),
+                         _mm512_permutex2var_ps(x[2 * i], hi3, x[2 * i + 1]));
+  }
+  // Level 4: one lane per token.
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                         30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                        31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(y[0], even, y[1]),
+                       _mm512_permutex2var_ps(y[0], odd, y[1]));
+}
+
+inline __m512 widen(const c10::BFloat16* src) {  // 16 bfloat16 -> float32 (shift into place)
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline void prefetch_rows(const c10::BFloat16* rows, int n, int64_t token_stride, int D) {
+  for (int t = 0; t < n; ++t) {
+    const char* row = reinterpret_cast<const char*>(rows + t * token_stride);
+    for (int line = 0; line < D * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T1);
+  }
+}
+
+// One sequence's newest token, the G heads of KV head `kv_head`, over `ctx` keys whose blocks
+// are `table[0 .. ceil(ctx / block_size))`. k_head / v_head: the KV head's rows of block 0
+// (block b's rows start block_stride elements further). D: head_dim.
+template <int D, int G>
+void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* out,
+            int64_t o_head_stride, const c10::BFloat16* k_head, const c10::BFloat16* v_head,
+            int64_t block_stride, int64_t k_token_stride, int64_t v_token_stride,
+            const int32_t* table, int block_size, int ctx, float scale) {
+  static_assert(D % 32 == 0, "head_dim: whole 32-element bfloat16 pairs vectors");
+  constexpr int QV = D / 32;  // bfloat16 vectors per row
+  constexpr int AV = D / 16;  // float32 vectors per row
+  __m512bh q[G][QV];
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < QV; ++j) {
+      q[g][j] = (__m512bh)_mm512_loadu_si512(query + g * q_head_stride + 32 * j);
+    }
+  }
+  __m512 acc[G][AV];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_setzero_ps();
+    m[g] = -__builtin_inff();
+    l[g] = 0.f;
+  }
+  __m512 part[G * TOKENS];  // Q.K partial sums [head][token], 16 lanes each
+  alignas(64) float p[G][TOKENS];
+  for (int start = 0; start < ctx; start += block_size) {
+    const int64_t block = table[start / block_size];
+    const c10::BFloat16* k_block = k_head + block * block_stride;
+    const c10::BFloat16* v_block = v_head + block * block_stride;
+    const int in_block = ctx - start < block_size ? ctx - start : block_size;
+    // Rows PREFETCH_BLOCKS blocks ahead are requested now (the first call also requests the
+    // ones before): one block's compute is shorter than a DRAM round trip.
+    for (int ahead = start == 0 ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
+      const int first = start + ahead * block_size;
+      if (first >= ctx) break;
+      const int64_t offset = table[first / block_size] * block_stride;
+      const int rows = ctx - first < block_size ? ctx - first : block_size;
+      prefetch_rows(k_head + offset, rows, k_token_stride, D);
+      prefetch_rows(v_head + offset, rows, v_token_stride, D);
+    }
+    for (int t0 = 0; t0 < in_block; t0 += TOKENS) {
+      const int n = in_block - t0 < TOKENS ? in_block - t0 : TOKENS;
+      // Q.K partial sums, one vector per (head, token); tokens past n are never read (an
+      // unowned slot may hold anything) and their lanes are masked below.
+      for (int t = 0; t < n; ++t) {
+        const c10::BFloat16* row = k_block + (t0 + t) * k_token_stride;
+        __m512bh k[QV];
+        for (int j = 0; j < QV; ++j) k[j] = (__m512bh)_mm512_loadu_si512(row + 32 * j);
+        for (int g = 0; g < G; ++g) {
+          __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], k[0]);
+          for (int j = 1; j < QV; ++j) s = _mm512_dpbf16_ps(s, q[g][j], k[j]);
+          part[g * TOKENS + t] = s;
+        }
+      }
+      for (int t = n; t < TOKENS; ++t) {
+        for (int g = 0; g < G; ++g) part[g * TOKENS + t] = _mm512_setzero_ps();
+      }
+      const __mmask16 valid = __mmask16((1u << n) - 1u);
+      for (int g = 0; g < G; ++g) {
+        const __m512 scores = _mm512_mask_mul_ps(_mm512_set1_ps(-__builtin_inff()), valid,
+                                                 transpose_sum(part + g * TOKENS),
+                                                 _mm512_set1_ps(scale));
+        const float block_max = _mm512_reduce_max_ps(scores);
+        const float m_new = m[g] > block_max ? m[g] : block_max;
+        const float correction = cpu_simd::exp_nonpositive(m[g] - m_new);  // m = -inf: 0
+        cpu_simd::f32x16 shifted;
+        const __m512 diff = _mm512_sub_ps(scores, _mm512_set1_ps(m_new));
+        std::memcpy(&shifted, &diff, sizeof shifted);
+        const cpu_simd::f32x16 e = cpu_simd::exp_nonpositive(shifted);
+        __m512 probs;
+        std::memcpy(&probs, &e, sizeof probs);
+        probs = _mm512_maskz_mov_ps(valid, probs);  // masked lanes: 0, not exp(-87)
+        l[g] = l[g] * correction + _mm512_reduce_add_ps(probs);
+        m[g] = m_new;
+        _mm512_store_ps(p[g], probs);
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_mul_ps(acc[g][j], c);
+      }
+      for (int t = 0; t < n; ++t) {
+        const c10::BFloat16* row = v_block + (t0 + t) * v_token_stride;
+        __m512 v[AV];
+        for (int j = 0; j < AV; ++j) v[j] = widen(row + 16 * j);
+        for (int g = 0; g < G; ++g) {
+          const __m512 pt = _mm512_set1_ps(p[g][t]);
+          for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_fmadd_ps(pt, v[j], acc[g][j]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    // l = 0 only for an empty context (a padding row): write zeros, not NaN.
+    const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
+    for (int j = 0; j < AV; ++j) {
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][j], inv));  // RNE
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * o_head_stride + 16 * j),
+                          (__m256i)o);
+    }
+  }
+}
+
+using AttendFn = decltype(&attend<64, 1>);
+
+// The instantiation for (head_dim, group), or nullptr: the generic path serves the others.
+template <int D>
+AttendFn for_group(int group) {
+  switch (group) {
+    case 1: return &attend<D, 1>;
+    case 2: return &attend<D, 2>;
+    case 3: return &attend<D, 3>;
+    case 4: return &attend<D, 4>;
+    case 5: return &attend<D, 5>;
+    case 6: return &attend<D, 6>;
+    case 7: return &attend<D, 7>;
+    case 8: return &attend<D, 8>;
+    default: return nullptr;
+  }
+}
+
+inline AttendFn select(int head_dim, int group) {
+  switch (head_dim) {
+    case 64: return for_group<64>(group);
+    case 128: return for_group<128>(group);
+    default: return nullptr;
+  }
+}
+
+}  // namespace cpu_decode_bf16
+#endif  // __AVX512BF16__
