@@ -15,6 +15,14 @@ store excluded (every path stores the same way):
 - gather_sdpa: the same gather, then F.scaled_dot_product_attention(enable_gqa=True);
 - cpu_kernel: kernels.cpu_attention reading the blocks in place (what attention_backend="cpu"
   runs).
+Where the blocks sit (--placement; both are timed for the kernel, one run):
+- shuffled: every request's blocks anywhere in the pool (a long-running server's worst case:
+  every block a jump the hardware prefetcher does not follow);
+- engine: the tables the engine's own BlockManager hands out when the batch arrives at once,
+  the scheduler's way: prompts (context - --decoded tokens) prefilled in 512-token chunks in
+  arrival order, requests whose prompt is done decoding one token per step meanwhile, until
+  every request holds its context. Prompt blocks come out in runs of consecutive ids, decode
+  blocks interleaved across requests.
 The floor is the K/V bytes the step must read over the bandwidth measured here (a large
 tensor copy, read + write bytes, as engine/telemetry/ceilings.py measures it). Each path is
 timed `--repeats` times after a warm-up; min and median are reported (a shared machine's
@@ -26,6 +34,7 @@ checked against each other first.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import time
@@ -36,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import emit
-from engine.core.block_manager import cdiv
+from engine.core.block_manager import BlockManager, cdiv
 from engine.runner.attention.base import AttentionInputs
 from engine.runner.attention.host_memory import zeros_in_huge_pages
 from engine.runner.attention.kv_quant import LayerKVCache
@@ -57,6 +66,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument(
+        "--decoded",
+        type=int,
+        default=128,
+        help="engine placement: tokens each "
+        "request has decoded (the rest of its context was its prompt)",
+    )
     p.add_argument("--layers", type=int, default=30, help="caches read in turn per call")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
@@ -81,6 +97,51 @@ def time_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
     }  # fmt: skip
 
 
+def shuffled_tables(seq_lens: list[int], bs: int, rng: random.Random) -> list[list[int]]:
+    ids = list(range(sum(cdiv(n, bs) for n in seq_lens)))
+    rng.shuffle(ids)
+    tables, used = [], 0
+    for n in seq_lens:
+        tables.append(ids[used : used + cdiv(n, bs)])
+        used += cdiv(n, bs)
+    return tables
+
+
+def engine_tables(
+    seq_lens: list[int], bs: int, decoded: int, token_budget: int = 512
+) -> list[list[int]]:
+    """The block tables the engine's BlockManager gives these requests arriving together:
+    per step, every request past its prompt decodes one token (until it holds its context),
+    and what is left of the token budget prefills the waiting prompts in order."""
+    manager = BlockManager(sum(cdiv(n, bs) for n in seq_lens), bs)
+    prompts = [max(1, n - decoded) for n in seq_lens]
+    held = [0] * len(seq_lens)  # tokens whose K/V each request holds
+    while held != seq_lens:
+        budget = token_budget
+        for i, n in enumerate(seq_lens):
+            if prompts[i] <= held[i] < n:
+                held[i] += 1
+                budget -= 1
+                manager.allocate(str(i), held[i])
+        for i in range(len(seq_lens)):
+            if budget and held[i] < prompts[i]:
+                chunk = min(budget, prompts[i] - held[i])
+                held[i] += chunk
+                budget -= chunk
+                manager.allocate(str(i), held[i])
+    return [manager.block_table(str(i)) for i in range(len(seq_lens))]
+
+
+def runs_of_consecutive_blocks(tables: list[list[int]]) -> dict[str, float]:
+    """How contiguous the tables are: runs of consecutive block ids (ascending or descending:
+    a freed request's blocks rejoin the free list tail first)."""
+    runs = [
+        1 + sum(abs(b - a) != 1 for a, b in itertools.pairwise(table)) for table in tables if table
+    ]
+    blocks = sum(len(t) for t in tables)
+    return {"runs": sum(runs), "blocks": blocks, "mean_blocks_per_run": blocks / sum(runs)}
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -90,12 +151,8 @@ def main() -> None:
     lo, hi = max(1, args.context - args.spread), args.context + args.spread
     seq_lens = sorted(rng.randint(lo, hi) for _ in range(args.batch))  # the runner sorts too
     num_blocks = sum(cdiv(n, bs) for n in seq_lens) + 8
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables, used = [], 0
-    for n in seq_lens:
-        tables.append(ids[used : used + cdiv(n, bs)])
-        used += cdiv(n, bs)
+    tables = shuffled_tables(seq_lens, bs, rng)
+    placed_tables = engine_tables(seq_lens, bs, args.decoded)
 
     backend = TorchBackend(hkv, dim, bs, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(args.seed)
@@ -137,26 +194,30 @@ def main() -> None:
         return o.squeeze(2)
 
     load_extension()  # built (or loaded from the cache) before any timing
-    kernel_tables = torch.tensor(
-        [t + [0] * (cdiv(hi, bs) - len(t)) for t in tables], dtype=torch.int32
-    )
     kernel_lens = torch.tensor(seq_lens, dtype=torch.int32)
     kernel_out = torch.empty_like(query)
     starts = torch.arange(args.batch + 1, dtype=torch.int32)
 
-    def kernel(layer):
-        k_view, v_view = (c.permute(1, 2, 0, 3) for c in layer)  # the kernel's view
-        return paged_attention_decode_cpu(
-            query, k_view, v_view, kernel_tables, kernel_lens, scale, out=kernel_out,
-            query_start_loc=starts,
-        )  # fmt: skip
+    def kernel_on(tables: list[list[int]]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        padded = torch.tensor(
+            [t + [0] * (cdiv(hi, bs) - len(t)) for t in tables], dtype=torch.int32
+        )
+
+        def kernel(layer):
+            k_view, v_view = (c.permute(1, 2, 0, 3) for c in layer)  # the kernel's view
+            return paged_attention_decode_cpu(
+                query, k_view, v_view, padded, kernel_lens, scale, out=kernel_out,
+                query_start_loc=starts,
+            )  # fmt: skip
+
+        return kernel
 
     paths = {
         "gather_bmm": lambda layer: gather_then(
             lambda q, k, v, m: decode_attention(q, k, v, m, scale), layer
         ),
         "gather_sdpa": lambda layer: gather_then(sdpa, layer),
-        "cpu_kernel": kernel,
+        "cpu_kernel": kernel_on(tables),
     }
     outs = {name: fn(caches[0]).float() for name, fn in paths.items()}
     ref = outs["gather_sdpa"]
@@ -169,6 +230,16 @@ def main() -> None:
 
     results = {"gather": per_layer(gather)}
     results |= {name: per_layer(fn) for name, fn in paths.items()}
+    # The same K/V rows moved to where the engine's tables put them, then the kernel on those.
+    for layer in caches:
+        for c in layer:
+            moved = torch.empty_like(c)
+            for old_table, new_table in zip(tables, placed_tables, strict=True):
+                moved[:, new_table] = c[:, old_table]
+            c.copy_(moved)
+    results["cpu_kernel_engine_placement"] = per_layer(kernel_on(placed_tables))
+    placed_out = kernel_on(placed_tables)(caches[0]).float()
+    assert torch.equal(placed_out, outs["cpu_kernel"]), "moving the blocks changed the output"
     bandwidth = measure_bandwidth("cpu")
     kv_bytes = 2 * sum(seq_lens) * hkv * dim * k_cache.element_size()
     floor_ms = kv_bytes / bandwidth * 1e3
@@ -194,6 +265,11 @@ def main() -> None:
             "bandwidth_bytes_per_s": bandwidth,
             "floor_ms": floor_ms,
             "cpu_kernel_over_floor": results["cpu_kernel"]["median_ms"] / floor_ms,
+            "cpu_kernel_engine_placement_over_floor": results["cpu_kernel_engine_placement"][
+                "median_ms"
+            ]
+            / floor_ms,
+            "engine_placement_runs": runs_of_consecutive_blocks(placed_tables),
             "speedup_vs_gather_bmm": results["gather_bmm"]["median_ms"]
             / results["cpu_kernel"]["median_ms"],
             "relative_error_vs_gather_sdpa": agreement,

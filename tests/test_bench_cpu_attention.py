@@ -1,0 +1,49 @@
+"""benchmarks.cpu_attention's block placements: the engine's tables are the BlockManager's own
+(valid, disjoint, covering each context), and a tiny run reports both placements."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import pytest
+
+from benchmarks import cpu_attention
+from engine.core.block_manager import cdiv
+from kernels.cpu_attention import cpu_kernel_status
+
+
+@pytest.mark.parametrize("placement", ["engine", "shuffled"])
+def test_tables_cover_each_context_with_distinct_blocks(placement):
+    seq_lens, bs = [40, 300, 17, 129], 16
+    if placement == "engine":
+        tables = cpu_attention.engine_tables(seq_lens, bs, decoded=20, token_budget=64)
+    else:
+        tables = cpu_attention.shuffled_tables(seq_lens, bs, random.Random(0))
+    assert [len(t) for t in tables] == [cdiv(n, bs) for n in seq_lens]
+    blocks = [b for t in tables for b in t]
+    assert len(set(blocks)) == len(blocks)
+    assert max(blocks) < sum(cdiv(n, bs) for n in seq_lens)
+
+
+def test_engine_placement_keeps_prompts_in_runs():
+    """A prompt prefilled in one chunk gets consecutive blocks; decode blocks interleave."""
+    tables = cpu_attention.engine_tables([160, 160], 16, decoded=32, token_budget=512)
+    assert tables[0][:8] == list(range(8)) and tables[1][:8] == list(range(8, 16))
+    runs = cpu_attention.runs_of_consecutive_blocks(tables)
+    assert runs["blocks"] == 20 and 2 <= runs["runs"] < 20
+
+
+def test_tiny_run_reports_both_placements(tmp_path, capsys, monkeypatch):
+    if (why := cpu_kernel_status()) is not None:
+        pytest.skip(f"CPU kernel unavailable: {why}")
+    out = tmp_path / "attn.json"
+    argv = ["cpu_attention", "--batch", "4", "--context", "40", "--spread", "8", "--layers",
+            "2", "--repeats", "1", "--decoded", "8", "--json", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    cpu_attention.main()
+    report = json.loads(out.read_text())
+    assert set(report["per_layer"]) >= {"cpu_kernel", "cpu_kernel_engine_placement"}
+    assert report["cpu_kernel_engine_placement_over_floor"] > 0
+    assert report["relative_error_vs_gather_sdpa"]["cpu_kernel"] < 2e-2
