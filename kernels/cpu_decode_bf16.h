@@ -12,10 +12,14 @@
 //   each token's 16 partial sums go to a small scratch, and the block's 16 tokens are reduced
 //   together by a transpose-and-add tree (45 steps per 16 scores instead of ~128), leaving the
 //   scores one per lane, ready for the vector softmax.
+// - Softmax: online per span of 128 keys (8 blocks of 16), not per block: the span's scores
+//   are kept, so the max is reduced and the accumulators rescaled once per span, and the sum
+//   stays a vector until the end (those per-block reductions were a third of the work).
 // - P.V: each V row is widened once into registers and accumulated into all G heads' float32
 //   accumulators, which stay in registers for the whole sequence (G x D/16 vectors).
-// - The next block's K/V rows are prefetched while this one is computed: blocks sit anywhere
-//   in the pool and the hardware prefetcher does not follow the jump.
+// - The K/V rows 3 blocks ahead are prefetched into L2 while this block is computed: blocks
+//   sit anywhere in the pool and the hardware prefetcher does not follow the jump (into L1,
+//   a scattered 2 KB read stalled at ~9 GB/s per core; into L2 it reaches ~15).
 // The softmax scale multiplies the float32 scores (the generic path pre-scales q instead).
 #pragma once
 
@@ -25,13 +29,14 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace cpu_decode_bf16 {
 
-constexpr int TOKENS = 16;  // keys per reduction tree (one per float32 lane)
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 3
-#endif
+constexpr int TOKENS = 16;           // keys per reduction tree (one per float32 lane)
+constexpr int SPAN_KEYS = 128;       // keys per online-softmax step (whole blocks, >= 1)
+constexpr int PREFETCH_BLOCKS = 3;   // how far ahead rows are requested (2-6 measured alike)
 
 // r[t] = sum of the 16 lanes of v[t], for 16 vectors: four levels, each folding pairs of
 // vectors into one by adding each one's two halves (token order kept, see the indices).
@@ -77,16 +82,51 @@ inline __m512 widen(const c10::BFloat16* src) {  // 16 bfloat16 -> float32 (shif
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-inline void prefetch_rows(const c10::BFloat16* rows, int n, int64_t token_stride, int D) {
+// Both prefetch helpers are always inlined: a function whose only effect is a prefetch looks
+// side-effect free to GCC (12), which then deletes calls to it that it did not inline first.
+__attribute__((always_inline)) inline void prefetch_rows(const c10::BFloat16* rows, int n,
+                                                         int64_t token_stride, int D) {
   for (int t = 0; t < n; ++t) {
     const char* row = reinterpret_cast<const char*>(rows + t * token_stride);
     for (int line = 0; line < D * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T1);
   }
 }
 
+// Requests the rows of the blocks `ahead` blocks past the one at `start` (and, at the first
+// block, those in between): one block's compute is shorter than a DRAM round trip.
+__attribute__((always_inline)) inline void prefetch_ahead(
+    const c10::BFloat16* head, int64_t block_stride, int64_t token_stride, const int32_t* table,
+    int block_size, int ctx, int start, int D) {
+  for (int ahead = start == 0 ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
+    const int first = start + ahead * block_size;
+    if (first >= ctx) break;
+    const int rows = ctx - first < block_size ? ctx - first : block_size;
+    prefetch_rows(head + table[first / block_size] * block_stride, rows, token_stride, D);
+  }
+}
+
+inline __m512 exp_nonpositive(__m512 x) {
+  cpu_simd::f32x16 v;
+  std::memcpy(&v, &x, sizeof v);
+  v = cpu_simd::exp_nonpositive(v);
+  std::memcpy(&x, &v, sizeof x);
+  return x;
+}
+
+// Per-thread score scratch (grown on demand; a span's worth).
+inline float* score_scratch(size_t floats) {
+  static thread_local std::vector<float> scratch;
+  if (scratch.size() < floats) scratch.resize(floats);
+  return scratch.data();
+}
+
 // One sequence's newest token, the G heads of KV head `kv_head`, over `ctx` keys whose blocks
 // are `table[0 .. ceil(ctx / block_size))`. k_head / v_head: the KV head's rows of block 0
 // (block b's rows start block_stride elements further). D: head_dim.
+// The softmax is online per span of up to SPAN_KEYS keys, not per block: a span's scores are
+// kept (G x SPAN_KEYS floats), so the max is reduced, and the accumulators rescaled, once per
+// span instead of once per 16 keys (those reductions were a third of the instructions). A
+// span's K and V rows are still read close together, so both stay in flight.
 template <int D, int G>
 void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* out,
             int64_t o_head_stride, const c10::BFloat16* k_head, const c10::BFloat16* v_head,
@@ -96,87 +136,103 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
   constexpr int QV = D / 32;  // bfloat16 vectors per row
   constexpr int AV = D / 16;  // float32 vectors per row
   __m512bh q[G][QV];
+  __m512 acc[G][AV], sum_lanes[G];
+  float m[G];
   for (int g = 0; g < G; ++g) {
     for (int j = 0; j < QV; ++j) {
       q[g][j] = (__m512bh)_mm512_loadu_si512(query + g * q_head_stride + 32 * j);
     }
-  }
-  __m512 acc[G][AV];
-  float m[G], l[G];
-  for (int g = 0; g < G; ++g) {
     for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_setzero_ps();
+    sum_lanes[g] = _mm512_setzero_ps();
     m[g] = -__builtin_inff();
-    l[g] = 0.f;
   }
+  // A span is whole blocks (at least one); each head's row of scores has 16 floats of slack,
+  // as a 16-key group starting anywhere in a block is stored whole.
+  const int span_blocks = block_size >= SPAN_KEYS ? 1 : SPAN_KEYS / block_size;
+  const int span_keys = span_blocks * block_size;
+  const int row_floats = span_keys + TOKENS;
+  float* scores = score_scratch(size_t(G) * row_floats);  // [G][row_floats]
   __m512 part[G * TOKENS];  // Q.K partial sums [head][token], 16 lanes each
   alignas(64) float p[G][TOKENS];
-  for (int start = 0; start < ctx; start += block_size) {
-    const int64_t block = table[start / block_size];
-    const c10::BFloat16* k_block = k_head + block * block_stride;
-    const c10::BFloat16* v_block = v_head + block * block_stride;
-    const int in_block = ctx - start < block_size ? ctx - start : block_size;
-    // Rows PREFETCH_BLOCKS blocks ahead are requested now (the first call also requests the
-    // ones before): one block's compute is shorter than a DRAM round trip.
-    for (int ahead = start == 0 ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
-      const int first = start + ahead * block_size;
-      if (first >= ctx) break;
-      const int64_t offset = table[first / block_size] * block_stride;
-      const int rows = ctx - first < block_size ? ctx - first : block_size;
-      prefetch_rows(k_head + offset, rows, k_token_stride, D);
-      prefetch_rows(v_head + offset, rows, v_token_stride, D);
-    }
-    for (int t0 = 0; t0 < in_block; t0 += TOKENS) {
-      const int n = in_block - t0 < TOKENS ? in_block - t0 : TOKENS;
-      // Q.K partial sums, one vector per (head, token); tokens past n are never read (an
-      // unowned slot may hold anything) and their lanes are masked below.
-      for (int t = 0; t < n; ++t) {
-        const c10::BFloat16* row = k_block + (t0 + t) * k_token_stride;
-        __m512bh k[QV];
-        for (int j = 0; j < QV; ++j) k[j] = (__m512bh)_mm512_loadu_si512(row + 32 * j);
+  const __m512 scale_v = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-__builtin_inff());
+  for (int span = 0; span < ctx; span += span_keys) {
+    const int span_end = ctx - span < span_keys ? ctx : span + span_keys;
+    // Pass 1: scores = scale * q.k per 16-key group; keys past ctx are never read (an unowned
+    // slot may hold anything) and score -inf.
+    __m512 max_lanes[G];
+    for (int g = 0; g < G; ++g) max_lanes[g] = minus_inf;
+    for (int start = span; start < span_end; start += block_size) {
+      const c10::BFloat16* k_block = k_head + table[start / block_size] * block_stride;
+      const int in_block = span_end - start < block_size ? span_end - start : block_size;
+      prefetch_ahead(k_head, block_stride, k_token_stride, table, block_size, ctx, start, D);
+      prefetch_ahead(v_head, block_stride, v_token_stride, table, block_size, ctx, start, D);
+      for (int t0 = 0; t0 < in_block; t0 += TOKENS) {
+        const int n = in_block - t0 < TOKENS ? in_block - t0 : TOKENS;
+        for (int t = 0; t < n; ++t) {
+          const c10::BFloat16* row = k_block + (t0 + t) * k_token_stride;
+          __m512bh k[QV];
+          for (int j = 0; j < QV; ++j) k[j] = (__m512bh)_mm512_loadu_si512(row + 32 * j);
+          for (int g = 0; g < G; ++g) {
+            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], k[0]);
+            for (int j = 1; j < QV; ++j) s = _mm512_dpbf16_ps(s, q[g][j], k[j]);
+            part[g * TOKENS + t] = s;
+          }
+        }
+        for (int t = n; t < TOKENS; ++t) {
+          for (int g = 0; g < G; ++g) part[g * TOKENS + t] = _mm512_setzero_ps();
+        }
+        const __mmask16 valid = __mmask16((1u << n) - 1u);
         for (int g = 0; g < G; ++g) {
-          __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], k[0]);
-          for (int j = 1; j < QV; ++j) s = _mm512_dpbf16_ps(s, q[g][j], k[j]);
-          part[g * TOKENS + t] = s;
+          const __m512 s =
+              _mm512_mask_mul_ps(minus_inf, valid, transpose_sum(part + g * TOKENS), scale_v);
+          _mm512_storeu_ps(scores + size_t(g) * row_floats + (start - span) + t0, s);
+          max_lanes[g] = _mm512_max_ps(max_lanes[g], s);
         }
       }
-      for (int t = n; t < TOKENS; ++t) {
-        for (int g = 0; g < G; ++g) part[g * TOKENS + t] = _mm512_setzero_ps();
-      }
-      const __mmask16 valid = __mmask16((1u << n) - 1u);
-      for (int g = 0; g < G; ++g) {
-        const __m512 scores = _mm512_mask_mul_ps(_mm512_set1_ps(-__builtin_inff()), valid,
-                                                 transpose_sum(part + g * TOKENS),
-                                                 _mm512_set1_ps(scale));
-        const float block_max = _mm512_reduce_max_ps(scores);
-        const float m_new = m[g] > block_max ? m[g] : block_max;
-        const float correction = cpu_simd::exp_nonpositive(m[g] - m_new);  // m = -inf: 0
-        cpu_simd::f32x16 shifted;
-        const __m512 diff = _mm512_sub_ps(scores, _mm512_set1_ps(m_new));
-        std::memcpy(&shifted, &diff, sizeof shifted);
-        const cpu_simd::f32x16 e = cpu_simd::exp_nonpositive(shifted);
-        __m512 probs;
-        std::memcpy(&probs, &e, sizeof probs);
-        probs = _mm512_maskz_mov_ps(valid, probs);  // masked lanes: 0, not exp(-87)
-        l[g] = l[g] * correction + _mm512_reduce_add_ps(probs);
-        m[g] = m_new;
-        _mm512_store_ps(p[g], probs);
-        const __m512 c = _mm512_set1_ps(correction);
-        for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_mul_ps(acc[g][j], c);
-      }
-      for (int t = 0; t < n; ++t) {
-        const c10::BFloat16* row = v_block + (t0 + t) * v_token_stride;
-        __m512 v[AV];
-        for (int j = 0; j < AV; ++j) v[j] = widen(row + 16 * j);
+    }
+    // The running max moves once per span: rescale what was accumulated before it.
+    __m512 max_v[G];
+    for (int g = 0; g < G; ++g) {
+      const float span_max = _mm512_reduce_max_ps(max_lanes[g]);
+      const float m_new = m[g] > span_max ? m[g] : span_max;
+      const __m512 correction = exp_nonpositive(_mm512_set1_ps(m[g] - m_new));  // m = -inf: 0
+      for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_mul_ps(acc[g][j], correction);
+      sum_lanes[g] = _mm512_mul_ps(sum_lanes[g], correction);
+      m[g] = m_new;
+      max_v[g] = _mm512_set1_ps(m_new);
+    }
+    // Pass 2: p = exp(s - max), summed per lane, and P.V with each V row widened once for
+    // all G heads.
+    for (int start = span; start < span_end; start += block_size) {
+      const c10::BFloat16* v_block = v_head + table[start / block_size] * block_stride;
+      const int in_block = span_end - start < block_size ? span_end - start : block_size;
+      for (int t0 = 0; t0 < in_block; t0 += TOKENS) {
+        const int n = in_block - t0 < TOKENS ? in_block - t0 : TOKENS;
+        const __mmask16 valid = __mmask16((1u << n) - 1u);
         for (int g = 0; g < G; ++g) {
-          const __m512 pt = _mm512_set1_ps(p[g][t]);
-          for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_fmadd_ps(pt, v[j], acc[g][j]);
+          const __m512 s = _mm512_loadu_ps(scores + size_t(g) * row_floats + (start - span) + t0);
+          // Masked lanes: 0, not exp(-87).
+          const __m512 e =
+              _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, max_v[g])));
+          sum_lanes[g] = _mm512_add_ps(sum_lanes[g], e);
+          _mm512_store_ps(p[g], e);
+        }
+        for (int t = 0; t < n; ++t) {
+          const c10::BFloat16* row = v_block + (t0 + t) * v_token_stride;
+          __m512 v[AV];
+          for (int j = 0; j < AV; ++j) v[j] = widen(row + 16 * j);
+          for (int g = 0; g < G; ++g) {
+            const __m512 pt = _mm512_set1_ps(p[g][t]);
+            for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_fmadd_ps(pt, v[j], acc[g][j]);
+          }
         }
       }
     }
   }
   for (int g = 0; g < G; ++g) {
-    // l = 0 only for an empty context (a padding row): write zeros, not NaN.
-    const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
+    // sum = 0 only for an empty context (a padding row): write zeros, not NaN.
+    const float sum = _mm512_reduce_add_ps(sum_lanes[g]);
+    const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
     for (int j = 0; j < AV; ++j) {
       const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][j], inv));  // RNE
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * o_head_stride + 16 * j),

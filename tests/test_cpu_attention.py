@@ -71,6 +71,7 @@ def test_decode_matches_reference(
     [
         (8, 64, 2, 4, [5, 16, 100]),  # blocks shorter than the 16-key reduction tree
         (64, 128, 2, 2, [63, 64, 65, 640]),  # 4 trees per block, tails of 15, 0 and 1 keys
+        (256, 64, 1, 3, [255, 700]),  # a block longer than a 128-key softmax span
         (16, 64, 1, 12, [40]),  # a group with no AVX512-BF16 instantiation: the generic path
         (16, 96, 2, 2, [40]),  # likewise a head_dim
     ],
