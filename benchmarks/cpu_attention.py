@@ -14,7 +14,10 @@ store excluded (every path stores the same way):
 - gather_bmm: the torch backend's decode path (gather, then two batched matmuls);
 - gather_sdpa: the same gather, then F.scaled_dot_product_attention(enable_gqa=True);
 - cpu_kernel: kernels.cpu_attention reading the blocks in place (what attention_backend="cpu"
-  runs).
+  runs);
+- read_only: the same K/V rows read in the kernel's order, with its prefetch and threads, and
+  only summed (the extension's read_kv_rows): how fast this pattern of scattered blocks can be
+  read at all on this machine, the share of the kernel's time that no arithmetic can remove.
 Where the blocks sit (--placement; both are timed for the kernel, one run):
 - shuffled: every request's blocks anywhere in the pool (a long-running server's worst case:
   every block a jump the hardware prefetcher does not follow);
@@ -198,15 +201,23 @@ def main() -> None:
     kernel_out = torch.empty_like(query)
     starts = torch.arange(args.batch + 1, dtype=torch.int32)
 
-    def kernel_on(tables: list[list[int]]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-        padded = torch.tensor(
-            [t + [0] * (cdiv(hi, bs) - len(t)) for t in tables], dtype=torch.int32
+    def padded(tables: list[list[int]]) -> torch.Tensor:
+        width = cdiv(hi, bs)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+    def read_only_on(tables: list[list[int]]) -> Callable[[list[torch.Tensor]], int]:
+        table_tensor = padded(tables)
+        return lambda layer: load_extension().read_kv_rows(
+            *(c.permute(1, 2, 0, 3) for c in layer), table_tensor, kernel_lens
         )
+
+    def kernel_on(tables: list[list[int]]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        table_tensor = padded(tables)
 
         def kernel(layer):
             k_view, v_view = (c.permute(1, 2, 0, 3) for c in layer)  # the kernel's view
             return paged_attention_decode_cpu(
-                query, k_view, v_view, padded, kernel_lens, scale, out=kernel_out,
+                query, k_view, v_view, table_tensor, kernel_lens, scale, out=kernel_out,
                 query_start_loc=starts,
             )  # fmt: skip
 
@@ -230,6 +241,7 @@ def main() -> None:
 
     results = {"gather": per_layer(gather)}
     results |= {name: per_layer(fn) for name, fn in paths.items()}
+    results["read_only"] = per_layer(read_only_on(tables))
     # The same K/V rows moved to where the engine's tables put them, then the kernel on those.
     for layer in caches:
         for c in layer:
@@ -238,6 +250,7 @@ def main() -> None:
                 moved[:, new_table] = c[:, old_table]
             c.copy_(moved)
     results["cpu_kernel_engine_placement"] = per_layer(kernel_on(placed_tables))
+    results["read_only_engine_placement"] = per_layer(read_only_on(placed_tables))
     placed_out = kernel_on(placed_tables)(caches[0]).float()
     assert torch.equal(placed_out, outs["cpu_kernel"]), "moving the blocks changed the output"
     bandwidth = measure_bandwidth("cpu")
@@ -270,6 +283,9 @@ def main() -> None:
             ]
             / floor_ms,
             "engine_placement_runs": runs_of_consecutive_blocks(placed_tables),
+            "read_only_over_floor": results["read_only"]["median_ms"] / floor_ms,
+            "cpu_kernel_over_read_only": results["cpu_kernel"]["median_ms"]
+            / results["read_only"]["median_ms"],
             "speedup_vs_gather_bmm": results["gather_bmm"]["median_ms"]
             / results["cpu_kernel"]["median_ms"],
             "relative_error_vs_gather_sdpa": agreement,

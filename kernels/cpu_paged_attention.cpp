@@ -514,8 +514,70 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   }
 }
 
+// The memory-only share of decode attention, for benchmarks.cpu_attention: the K/V rows the
+// decode kernel reads for each (sequence, KV head), in its order, with its prefetch (3 blocks
+// ahead, into L2), threads and schedule, summed as raw 32-bit words instead of attended. The
+// sum is returned so that nothing is optimized away. How fast this pattern of scattered
+// blocks can be read at all, with no arithmetic in the way.
+int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                     torch::Tensor seq_lens) {
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                        k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+                        k_cache.size(3) * k_cache.element_size() % 64 == 0,
+                    "k_cache/v_cache: [blocks, block_size, heads, head_dim] with rows of whole "
+                    "64-byte lines expected");
+  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                        block_tables.stride(1) == 1 && seq_lens.scalar_type() == at::kInt &&
+                        seq_lens.is_contiguous() && seq_lens.size(0) == block_tables.size(0),
+                    "block_tables / seq_lens: int32 [batch, width] / [batch] expected");
+  const CacheView k = cache_view(k_cache), v = cache_view(v_cache);
+  const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
+  const int64_t element = k_cache.element_size(), heads = k_cache.size(2);
+  const int bs = int(k_cache.size(1));
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t total = seq_lens.size(0) * heads;
+  int64_t sum = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads()) reduction(+ : sum)
+  for (int64_t w = 0; w < total; ++w) {
+    const int64_t seq = w / heads, head = w % heads;
+    const int32_t* table = tables + seq * table_stride;
+    const int ctx = lens[seq];
+    u32x16 acc{};
+    for (int start = 0; start < ctx; start += bs) {
+      const int n = std::min(bs, ctx - start);
+      for (const CacheView* c : {&k, &v}) {
+        auto rows_of = [&](int position) {
+          return static_cast<const char*>(c->data) +
+                 (table[position / bs] * c->block_stride + head * c->head_stride) * element;
+        };
+        for (int a = start == 0 ? 1 : 3; a <= 3 && start + a * bs < ctx; ++a) {
+          const char* next = rows_of(start + a * bs);
+          for (int t = 0; t < std::min(bs, ctx - start - a * bs); ++t) {
+            for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
+              __builtin_prefetch(next + t * c->token_stride * element + line, 0, 2);  // L2
+            }
+          }
+        }
+        const char* base = rows_of(start);
+        for (int t = 0; t < n; ++t) {
+          const char* row = base + t * c->token_stride * element;
+          for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
+            acc += load_vec<u32x16>(row + line);
+          }
+        }
+      }
+    }
+    for (int lane = 0; lane < LANES; ++lane) sum += acc[lane];
+  }
+  return sum;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Paged attention over a block-table KV cache, in place (decode and prefill)");
   m.def("store_kv", &store_kv, "New K/V rows into a head-major paged cache at their slots");
+  m.def("read_kv_rows", &read_kv_rows,
+        "The K/V rows decode attention reads, summed: its memory-only share (benchmarks)");
 }

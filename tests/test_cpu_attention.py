@@ -188,3 +188,21 @@ def test_store_kv_writes_what_the_torch_store_writes(dtype):
         store_kv_cpu(*actual, k, v, torch.tensor([0, 1, 2, 3, 24]))
     with pytest.raises(ValueError, match="k/v:"):
         store_kv_cpu(*actual, k.float() if dtype != F32 else k.half(), v, slots)
+
+
+def test_read_kv_rows_reads_exactly_the_rows_decode_attention_reads():
+    """The benchmark's memory-only probe: every visible K/V row once, no unowned slot (each
+    32-bit word of a visible row holds 1, every other word 1000, so the sum counts words)."""
+    from kernels.cpu_attention import load_extension
+
+    num_blocks, bs, heads, dim = 12, 16, 3, 64
+    words = torch.full((num_blocks, bs, heads, dim // 2), 1000, dtype=torch.int32)
+    seq_lens = torch.tensor([1, 17, 40, 0], dtype=torch.int32)
+    tables = torch.tensor([[5, 0, 0], [2, 9, 0], [7, 1, 11], [0, 0, 0]], dtype=torch.int32)
+    for table, n in zip(tables.tolist(), seq_lens.tolist(), strict=True):
+        for position in range(n):
+            words[table[position // bs], position % bs] = 1
+    k_cache = words.view(torch.bfloat16)  # [blocks, bs, heads, dim]
+    v_cache = k_cache.clone()
+    total = load_extension().read_kv_rows(k_cache, v_cache, tables, seq_lens)
+    assert total == 2 * int(seq_lens.sum()) * heads * dim // 2
