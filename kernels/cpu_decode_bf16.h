@@ -40,7 +40,7 @@ constexpr int PREFETCH_BLOCKS = 3;   // how far ahead rows are requested (2-6 me
 
 // r[t] = sum of the 16 lanes of v[t], for 16 vectors: four levels, each folding pairs of
 // vectors into one by adding each one's two halves (token order kept, see the indices).
-inline __m512 transpose_sum(const __m512* v) {
+__attribute__((always_inline)) inline __m512 transpose_sum(const __m512* v) {
   // Level 1: w[i] = [v[2i] lanes 0-7 + 8-15 | v[2i+1] lanes 0-7 + 8-15].
   const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
@@ -111,6 +111,27 @@ inline __m512 exp_nonpositive(__m512 x) {
   v = cpu_simd::exp_nonpositive(v);
   std::memcpy(&x, &v, sizeof x);
   return x;
+}
+
+// scores[t] = scale * q.k_t for the n <= 16 keys at `keys` (token_stride elements apart), with
+// the vdpbf16ps + tree of `attend`: for the prefill rows of cpu_paged_attention.cpp's generic
+// loop (head_dim D a multiple of 32). Keys past n are not read. Returns their max.
+inline float key_group_scores(const c10::BFloat16* q, const c10::BFloat16* keys,
+                              int64_t token_stride, int n, int D, float scale, float* scores) {
+  __m512 part[TOKENS];
+  for (int t = 0; t < n; ++t) {
+    const c10::BFloat16* row = keys + t * token_stride;
+    __m512 s = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32) {
+      s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + d),
+                           (__m512bh)_mm512_loadu_si512(row + d));
+    }
+    part[t] = s;
+  }
+  for (int t = n; t < TOKENS; ++t) part[t] = _mm512_setzero_ps();
+  const __m512 s = _mm512_mul_ps(transpose_sum(part), _mm512_set1_ps(scale));
+  _mm512_storeu_ps(scores, s);
+  return _mm512_mask_reduce_max_ps(__mmask16((1u << n) - 1u), s);
 }
 
 // Per-thread score scratch (grown on demand; a span's worth).

@@ -181,6 +181,14 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
   const int last_pos = first_pos + item.num_queries - 1;
   const int64_t token0 = p.query_start_loc[item.seq] + item.first_query;
   const int32_t* table = p.block_tables + int64_t(item.seq) * p.table_stride;
+  // bfloat16 query and cache on AVX512-BF16: Q.K straight from the cache rows (vdpbf16ps and
+  // a reduction tree per 16 keys, cpu_decode_bf16.h) instead of widened rows and a dot each.
+#if defined(__AVX512BF16__)
+  constexpr bool kBf16Types = std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, Q>;
+#else
+  constexpr bool kBf16Types = false;
+#endif
+  const bool bf16_dot = kBf16Types && D % 32 == 0;
 
   // Queries pre-multiplied by the softmax scale.
   for (int i = 0; i < item.num_queries; ++i) {
@@ -217,8 +225,10 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
         __builtin_prefetch(k_next + t * k_token_bytes + line);
         __builtin_prefetch(v_next + t * v_token_bytes + line);
       }
-      load_row(k_base + t * p.k.token_stride, D, p.k_scale.at(block, t, kv_head),
-               &s.k_block[size_t(t) * D]);
+      if (!bf16_dot) {
+        load_row(k_base + t * p.k.token_stride, D, p.k_scale.at(block, t, kv_head),
+                 &s.k_block[size_t(t) * D]);
+      }
       load_row(v_base + t * p.v.token_stride, D, p.v_scale.at(block, t, kv_head),
                &s.v_block[size_t(t) * D]);
     }
@@ -229,9 +239,24 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
       float* sc = &s.scores[size_t(r) * padded(bs)];
       const float* qr = &s.q[size_t(r) * D];
       float block_max = -std::numeric_limits<float>::infinity();
-      for (int t = 0; t < visible; ++t) {
-        sc[t] = dot(qr, &s.k_block[size_t(t) * D], D);
-        block_max = std::max(block_max, sc[t]);
+      if (bf16_dot) {
+#if defined(__AVX512BF16__)
+        if constexpr (kBf16Types) {
+          const Q* q_row = query + (token0 + r / G) * p.q_token_stride +
+                           int64_t(kv_head * G + r % G) * p.q_head_stride;
+          for (int t0 = 0; t0 < visible; t0 += LANES) {
+            block_max = std::max(block_max, cpu_decode_bf16::key_group_scores(
+                                                q_row, k_base + t0 * p.k.token_stride,
+                                                p.k.token_stride, std::min(LANES, visible - t0),
+                                                D, p.scale, sc + t0));
+          }
+        }
+#endif
+      } else {
+        for (int t = 0; t < visible; ++t) {
+          sc[t] = dot(qr, &s.k_block[size_t(t) * D], D);
+          block_max = std::max(block_max, sc[t]);
+        }
       }
       const float m_new = std::max(s.m[r], block_max);
       const float correction = exp_nonpositive(s.m[r] - m_new);  // m = -inf: 0
