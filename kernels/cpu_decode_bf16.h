@@ -38,43 +38,42 @@ constexpr int TOKENS = 16;           // keys per reduction tree (one per float32
 constexpr int SPAN_KEYS = 128;       // keys per online-softmax step (whole blocks, >= 1)
 constexpr int PREFETCH_BLOCKS = 3;   // how far ahead rows are requested (2-6 measured alike)
 
-// r[t] = sum of the 16 lanes of v[t], for 16 vectors: four levels, each folding pairs of
-// vectors into one by adding each one's two halves (token order kept, see the indices).
+// _mm512_permutex2var_ps indices (0-15: a's lanes, 16-31: b's) that fold runs of k lanes of two
+// vectors a and b into one: lanes 0-7 take a's even runs of k (index set 0) or odd ones (set
+// 1), lanes 8-15 b's, so adding the two gathers sums each pair of runs. Levels k = 8, 4, 2, 1.
+struct FoldIndex {
+  alignas(64) int32_t lanes[4][2][16];
+  constexpr FoldIndex() : lanes{} {
+    for (int level = 0; level < 4; ++level) {
+      const int k = 8 >> level;
+      for (int i = 0; i < 16; ++i) {
+        lanes[level][0][i] = (i < 8 ? 0 : 16) + 2 * k * ((i % 8) / k) + i % k;
+        lanes[level][1][i] = lanes[level][0][i] + k;
+      }
+    }
+  }
+};
+inline constexpr FoldIndex FOLD_INDEX{};
+
+__attribute__((always_inline)) inline __m512 fold_runs(__m512 a, __m512 b, int level) {
+  const __m512i even = _mm512_load_si512(FOLD_INDEX.lanes[level][0]);
+  const __m512i odd = _mm512_load_si512(FOLD_INDEX.lanes[level][1]);
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+
+// r[t] = sum of the 16 lanes of v[t], for 16 vectors: four levels of fold_runs (runs of 8, 4,
+// 2, 1 lanes), each halving the vectors; after the level of runs of k, a vector holds 16 / k
+// tokens' partial sums in token order, k lanes each.
 __attribute__((always_inline)) inline __m512 transpose_sum(const __m512* v) {
-  // Level 1: w[i] = [v[2i] lanes 0-7 + 8-15 | v[2i+1] lanes 0-7 + 8-15].
-  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                        30, 31);
-  __m512 w[8];
-  for (int i = 0; i < 8; ++i) {
-    w[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo1, v[2 * i + 1]),
-                         _mm512_permutex2var_ps(v[2 * i], hi1, v[2 * i + 1]));
+  __m512 r[TOKENS / 2];
+#pragma GCC unroll 8
+  for (int i = 0; i < TOKENS / 2; ++i) r[i] = fold_runs(v[2 * i], v[2 * i + 1], 0);
+#pragma GCC unroll 4
+  for (int level = 1; level < 4; ++level) {
+#pragma GCC unroll 4
+    for (int i = 0; i < (TOKENS / 2) >> level; ++i) r[i] = fold_runs(r[2 * i], r[2 * i + 1], level);
   }
-  // Level 2: 4 lanes per token, tokens 4i..4i+3.
-  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                                        31);
-  __m512 x[4];
-  for (int i = 0; i < 4; ++i) {
-    x[i] = _mm512_add_ps(_mm512_permutex2var_ps(w[2 * i], lo2, w[2 * i + 1]),
-                         _mm512_permutex2var_ps(w[2 * i], hi2, w[2 * i + 1]));
-  }
-  // Level 3: 2 lanes per token, tokens 8i..8i+7.
-  const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-  const __m512i hi3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                                        31);
-  __m512 y[2];
-  for (int i = 0; i < 2; ++i) {
-    y[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], lo3, x[2 * i + 1]),
-                         _mm512_permutex2var_ps(x[2 * i], hi3, x[2 * i + 1]));
-  }
-  // Level 4: one lane per token.
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
-                                         30);
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
-                                        31);
-  return _mm512_add_ps(_mm512_permutex2var_ps(y[0], even, y[1]),
-                       _mm512_permutex2var_ps(y[0], odd, y[1]));
+  return r[0];
 }
 
 inline __m512 widen(const c10::BFloat16* src) {  // 16 bfloat16 -> float32 (shift into place)
