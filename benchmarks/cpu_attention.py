@@ -18,7 +18,7 @@ store excluded (every path stores the same way):
 - read_only: the same K/V rows read in the kernel's order, with its prefetch and threads, and
   only summed (the extension's read_kv_rows): how fast this pattern of scattered blocks can be
   read at all on this machine, the share of the kernel's time that no arithmetic can remove.
-Where the blocks sit (--placement; both are timed for the kernel, one run):
+Where the blocks sit (cpu_kernel and read_only are timed on both, in one run):
 - shuffled: every request's blocks anywhere in the pool (a long-running server's worst case:
   every block a jump the hardware prefetcher does not follow);
 - engine: the tables the engine's own BlockManager hands out when the batch arrives at once,
@@ -70,12 +70,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument(
-        "--decoded",
-        type=int,
-        default=128,
-        help="engine placement: tokens each "
-        "request has decoded (the rest of its context was its prompt)",
-    )
+        "--decoded", type=int, default=128,
+        help="engine placement: tokens each request has decoded (the rest was its prompt)",
+    )  # fmt: skip
     p.add_argument("--layers", type=int, default=30, help="caches read in turn per call")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, all cores)")
@@ -205,17 +202,22 @@ def main() -> None:
         width = cdiv(hi, bs)
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
+    def kernel_views(layer: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Hkv, blocks, bs, D] as the kernel's [blocks, bs, Hkv, D] view."""
+        k, v = (c.permute(1, 2, 0, 3) for c in layer)
+        return k, v
+
     def read_only_on(tables: list[list[int]]) -> Callable[[list[torch.Tensor]], int]:
         table_tensor = padded(tables)
         return lambda layer: load_extension().read_kv_rows(
-            *(c.permute(1, 2, 0, 3) for c in layer), table_tensor, kernel_lens
+            *kernel_views(layer), table_tensor, kernel_lens
         )
 
     def kernel_on(tables: list[list[int]]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
         table_tensor = padded(tables)
 
         def kernel(layer):
-            k_view, v_view = (c.permute(1, 2, 0, 3) for c in layer)  # the kernel's view
+            k_view, v_view = kernel_views(layer)
             return paged_attention_decode_cpu(
                 query, k_view, v_view, table_tensor, kernel_lens, scale, out=kernel_out,
                 query_start_loc=starts,

@@ -17,9 +17,8 @@
 //   stays a vector until the end (those per-block reductions were a third of the work).
 // - P.V: each V row is widened once into registers and accumulated into all G heads' float32
 //   accumulators, which stay in registers for the whole sequence (G x D/16 vectors).
-// - The K/V rows 3 blocks ahead are prefetched into L2 while this block is computed: blocks
-//   sit anywhere in the pool and the hardware prefetcher does not follow the jump (into L1,
-//   a scattered 2 KB read stalled at ~9 GB/s per core; into L2 it reaches ~15).
+// - The K/V rows 3 blocks ahead are prefetched into L2 while this block is computed
+//   (cpu_simd::prefetch_blocks_ahead says why L2).
 // The softmax scale multiplies the float32 scores (the generic path pre-scales q instead).
 #pragma once
 
@@ -36,7 +35,6 @@ namespace cpu_decode_bf16 {
 
 constexpr int TOKENS = 16;           // keys per reduction tree (one per float32 lane)
 constexpr int SPAN_KEYS = 128;       // keys per online-softmax step (whole blocks, >= 1)
-constexpr int PREFETCH_BLOCKS = 3;   // how far ahead rows are requested (2-6 measured alike)
 
 // _mm512_permutex2var_ps indices (0-15: a's lanes, 16-31: b's) that fold runs of k lanes of two
 // vectors a and b into one: lanes 0-7 take a's even runs of k (index set 0) or odd ones (set
@@ -79,29 +77,6 @@ __attribute__((always_inline)) inline __m512 transpose_sum(const __m512* v) {
 inline __m512 widen(const c10::BFloat16* src) {  // 16 bfloat16 -> float32 (shift into place)
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// Both prefetch helpers are always inlined: a function whose only effect is a prefetch looks
-// side-effect free to GCC (12), which then deletes calls to it that it did not inline first.
-__attribute__((always_inline)) inline void prefetch_rows(const c10::BFloat16* rows, int n,
-                                                         int64_t token_stride, int D) {
-  for (int t = 0; t < n; ++t) {
-    const char* row = reinterpret_cast<const char*>(rows + t * token_stride);
-    for (int line = 0; line < D * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T1);
-  }
-}
-
-// Requests the rows of the blocks `ahead` blocks past the one at `start` (and, at the first
-// block, those in between): one block's compute is shorter than a DRAM round trip.
-__attribute__((always_inline)) inline void prefetch_ahead(
-    const c10::BFloat16* head, int64_t block_stride, int64_t token_stride, const int32_t* table,
-    int block_size, int ctx, int start, int D) {
-  for (int ahead = start == 0 ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
-    const int first = start + ahead * block_size;
-    if (first >= ctx) break;
-    const int rows = ctx - first < block_size ? ctx - first : block_size;
-    prefetch_rows(head + table[first / block_size] * block_stride, rows, token_stride, D);
-  }
 }
 
 inline __m512 exp_nonpositive(__m512 x) {
@@ -184,8 +159,11 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
     for (int start = span; start < span_end; start += block_size) {
       const c10::BFloat16* k_block = k_head + table[start / block_size] * block_stride;
       const int in_block = span_end - start < block_size ? span_end - start : block_size;
-      prefetch_ahead(k_head, block_stride, k_token_stride, table, block_size, ctx, start, D);
-      prefetch_ahead(v_head, block_stride, v_token_stride, table, block_size, ctx, start, D);
+      constexpr int64_t E = sizeof(c10::BFloat16);
+      cpu_simd::prefetch_blocks_ahead(reinterpret_cast<const char*>(k_head), block_stride * E,
+                                      k_token_stride * E, D * E, table, block_size, ctx, start);
+      cpu_simd::prefetch_blocks_ahead(reinterpret_cast<const char*>(v_head), block_stride * E,
+                                      v_token_stride * E, D * E, table, block_size, ctx, start);
       for (int t0 = 0; t0 < in_block; t0 += TOKENS) {
         const int n = in_block - t0 < TOKENS ? in_block - t0 : TOKENS;
         for (int t = 0; t < n; ++t) {

@@ -540,10 +540,10 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 }
 
 // The memory-only share of decode attention, for benchmarks.cpu_attention: the K/V rows the
-// decode kernel reads for each (sequence, KV head), in its order, with its prefetch (3 blocks
-// ahead, into L2), threads and schedule, summed as raw 32-bit words instead of attended. The
-// sum is returned so that nothing is optimized away. How fast this pattern of scattered
-// blocks can be read at all, with no arithmetic in the way.
+// decode kernel reads for each (sequence, KV head), in its order, with its prefetch
+// (prefetch_blocks_ahead), threads and schedule, summed as raw 32-bit words instead of
+// attended. The sum is returned so that nothing is optimized away. How fast this pattern of
+// scattered blocks can be read at all, with no arithmetic in the way.
 int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor seq_lens) {
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
@@ -573,19 +573,10 @@ int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor
     for (int start = 0; start < ctx; start += bs) {
       const int n = std::min(bs, ctx - start);
       for (const CacheView* c : {&k, &v}) {
-        auto rows_of = [&](int position) {
-          return static_cast<const char*>(c->data) +
-                 (table[position / bs] * c->block_stride + head * c->head_stride) * element;
-        };
-        for (int a = start == 0 ? 1 : 3; a <= 3 && start + a * bs < ctx; ++a) {
-          const char* next = rows_of(start + a * bs);
-          for (int t = 0; t < std::min(bs, ctx - start - a * bs); ++t) {
-            for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
-              __builtin_prefetch(next + t * c->token_stride * element + line, 0, 2);  // L2
-            }
-          }
-        }
-        const char* base = rows_of(start);
+        const char* rows = static_cast<const char*>(c->data) + head * c->head_stride * element;
+        prefetch_blocks_ahead(rows, c->block_stride * element, c->token_stride * element,
+                              row_bytes, table, bs, ctx, start);
+        const char* base = rows + table[start / bs] * c->block_stride * element;
         for (int t = 0; t < n; ++t) {
           const char* row = base + t * c->token_stride * element;
           for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
