@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_int4_linear.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -509,6 +510,49 @@ void int8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight,
   DISPATCH_MODEL_DTYPE(x.scalar_type(), int8_linear_impl, out, x, qweight, scales)
 }
 
+// True where this build has the bfloat16 int4 kernel (cpu_int4_linear.h: AVX512-BF16 and VBMI).
+bool has_int4_linear() {
+#if defined(CPU_INT4_LINEAR)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                 torch::Tensor scale_and_zero, int64_t group_size) {
+  TORCH_CHECK_VALUE(has_int4_linear(), "int4_linear: this CPU lacks AVX512-BF16 or AVX512-VBMI");
+  check_rows("x", x, true);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16, "x: bfloat16 expected, got ",
+                    x.scalar_type());
+  TORCH_CHECK_VALUE(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                        packed.dim() == 2 && packed.is_contiguous() && packed.size(1) * 2 == K &&
+                        packed.size(0) % 64 == 0,
+                    "packed: contiguous uint8 [N, K/2], N a multiple of 64, for x ", x.sizes(),
+                    " expected, got ", packed.sizes());
+  const int64_t N = packed.size(0);
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % LANES == 0 && K % group_size == 0,
+                    "group_size: a multiple of 16 dividing K = ", K, " expected, got ",
+                    group_size);
+  TORCH_CHECK_VALUE(scale_and_zero.device().is_cpu() && scale_and_zero.dim() == 3 &&
+                        scale_and_zero.size(0) == K / group_size && scale_and_zero.size(1) == N &&
+                        scale_and_zero.size(2) == 2 && scale_and_zero.is_contiguous() &&
+                        scale_and_zero.scalar_type() == at::kBFloat16,
+                    "scale_and_zero: contiguous bfloat16 [K/G, N, 2] expected, got ",
+                    scale_and_zero.scalar_type(), " ", scale_and_zero.sizes());
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.dim() == 2 && out.size(0) == M &&
+                        out.size(1) == N && out.is_contiguous() &&
+                        out.scalar_type() == at::kBFloat16,
+                    "out: contiguous bfloat16 [M, N] expected, got ", out.scalar_type(), " ",
+                    out.sizes());
+#if defined(CPU_INT4_LINEAR)
+  cpu_int4_linear::linear(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), M, K,
+                          packed.data_ptr<uint8_t>(),
+                          scale_and_zero.data_ptr<c10::BFloat16>(), N, group_size);
+#endif
+}
+
 // weight_address: the packed weight's data (torch.ops.mkldnn.data_ptr of the module's packed
 // buffer, which owns it and never moves); N, K its logical shape, layout checked at load.
 void packed_bf16_linear(torch::Tensor out, torch::Tensor x, int64_t weight_address, int64_t N,
@@ -537,6 +581,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_int4", &dequant_int4, "int4 blocks -> the transposed 16/32-bit weight [K, rows]");
   m.def("dequant_int8", &dequant_int8, "int8 rows * per-row scales -> 16/32-bit rows");
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-row scales).T for a few rows");
+  m.def("has_int4_linear", &has_int4_linear, "whether int4_linear runs on this CPU");
+  m.def("int4_linear", &int4_linear,
+        "x (bfloat16) @ W.T for few rows, W int4 in kernels/int4_pack.py's 64-row blocks");
   m.def("packed_bf16_linear", &packed_bf16_linear,
         "x @ W.T for 1-4 rows, W bfloat16 in oneDNN's 64-row, pairs-of-inputs packed layout");
 }

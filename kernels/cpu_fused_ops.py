@@ -96,6 +96,24 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     return out
 
 
+def int4_linear(
+    x: torch.Tensor,  # bfloat16 [M, K]
+    packed: torch.Tensor,  # uint8 [N, K/2], kernels/int4_pack.py's layout, N % 64 == 0
+    scale_and_zero: torch.Tensor,  # bfloat16 [K/G, N, 2] = (s, zf), w = (q - 8) * s + zf
+    group_size: int,
+) -> torch.Tensor:
+    """x @ W.T for decode's few rows with W int4 (cpu_int4_linear.h; CPUs with AVX512-BF16
+    and VBMI: has_int4_linear()), float32 accumulation, bfloat16 out."""
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
+    load_extension().int4_linear(out, x, packed, scale_and_zero, group_size)
+    return out
+
+
+def has_int4_linear() -> bool:
+    """Whether this CPU runs int4_linear (else the int4 layers call aten's kernel)."""
+    return load_extension().has_int4_linear()
+
+
 def packed_bf16_linear(
     x: torch.Tensor, weight_address: int, out_features: int, in_features: int
 ) -> torch.Tensor:

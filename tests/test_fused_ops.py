@@ -238,3 +238,85 @@ def test_int8_linear_rejects_mismatched_inputs(fused):
         cpu_fused_ops.int8_linear(torch.randn(2, 24), torch.zeros(8, 24, dtype=torch.int8), s)
     with pytest.raises(ValueError, match=r"x: CPU \[rows, cols\] with a contiguous last dim"):
         cpu_fused_ops.int8_linear(torch.randn(2, 64)[:, ::2], q, s)
+
+
+def _int4_kernel(fused) -> None:
+    if not cpu_fused_ops.has_int4_linear():
+        pytest.skip("int4_linear needs AVX512-BF16 and AVX512-VBMI (aten's kernel runs instead)")
+
+
+def _int4_weight(n: int, k: int, group: int, gen: torch.Generator):
+    from kernels.int4_pack import pack_int4
+
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    s = torch.rand(k // group, n, generator=gen) * 0.02 + 0.001
+    zf = torch.randn(k // group, n, generator=gen) * 0.05
+    scale_and_zero = torch.stack([s, zf], dim=-1).bfloat16().contiguous()
+    params = scale_and_zero.float()
+    w = (q.float().view(n, k // group, group) - 8) * params[..., 0].t()[..., None]
+    w = (w + params[..., 1].t()[..., None]).view(n, k)  # (q - 8) * s + zf, in float32
+    return pack_int4(q), scale_and_zero, w
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "group"),
+    # rows: 1 (decode), 2 and 3 (odd tiles), 5 and 9 (several tiles of 4); groups 32-128;
+    # SmolLM2's shapes (576 = 9 x 64, 1536) and several 64-row blocks per thread.
+    [(1, 64, 64, 32), (1, 576, 576, 64), (2, 960, 576, 64), (3, 128, 1536, 128),
+     (5, 1536, 576, 32), (9, 192, 576, 64), (4, 3072, 576, 64)],
+)  # fmt: skip
+def test_int4_linear_matches_the_dequantized_matmul(fused, rows, n, k, group):
+    """W4A16 (cpu_int4_linear.h) against x @ W.T in float32 with W dequantized from the same
+    nibbles and (s, zf): only the summation order and the bfloat16 output's rounding differ."""
+    _int4_kernel(fused)
+    gen = torch.Generator().manual_seed(rows * 7919 + n + k + group)
+    packed, scale_and_zero, w = _int4_weight(n, k, group, gen)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    ref = (x.float() @ w.T).bfloat16()
+    out = cpu_fused_ops.int4_linear(x, packed, scale_and_zero, group)
+    _close(out, ref, torch.bfloat16)
+    # Most elements round to the reference's bfloat16 exactly (the rest to a neighbour).
+    assert (out == ref).float().mean() > 0.9
+
+
+def test_int4_linear_rejects_mismatched_inputs(fused):
+    _int4_kernel(fused)
+    packed, sz, _ = _int4_weight(64, 64, 32, torch.Generator().manual_seed(0))
+    x = torch.randn(1, 64).bfloat16()
+    with pytest.raises(ValueError, match="x: bfloat16"):
+        cpu_fused_ops.int4_linear(x.float(), packed, sz, 32)
+    with pytest.raises(ValueError, match="packed"):
+        cpu_fused_ops.int4_linear(torch.randn(1, 128).bfloat16(), packed, sz, 32)
+    with pytest.raises(ValueError, match="N a multiple of 64"):
+        cpu_fused_ops.int4_linear(x, packed[:48], sz[:, :48].contiguous(), 32)
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_fused_ops.int4_linear(x, packed, sz, 24)
+    with pytest.raises(ValueError, match="scale_and_zero"):
+        cpu_fused_ops.int4_linear(x, packed, sz.float(), 32)
+
+
+def test_int4_bf16_decode_runs_the_cpp_kernel(fused, monkeypatch):
+    """bfloat16 int4 layers' few-row calls go to cpu_fused_ops.int4_linear when the CPU has
+    it, and each layer's output is aten's kernel's within bfloat16 rounding."""
+    _int4_kernel(fused)
+    from engine.runner.quant.linear import Int4Linear
+
+    calls = []
+    kernel = cpu_fused_ops.int4_linear
+
+    def counting(x, packed, scale_and_zero, group_size):
+        calls.append(x.shape[0])
+        return kernel(x, packed, scale_and_zero, group_size)
+
+    monkeypatch.setattr(cpu_fused_ops, "int4_linear", counting)
+    llm = LLM(quantization="int4", fused_ops=True, **{**COMMON, "dtype": "bfloat16"})
+    out = llm.generate(PROMPTS, PARAMS)
+    assert all(len(o.token_ids) == PARAMS.max_tokens for o in out)
+    assert 1 in calls and max(calls) < llm.engine.runner.quant_summary.dequant_min_rows
+    layer = next(m for m in llm.engine.runner.model.modules() if isinstance(m, Int4Linear))
+    assert layer.bf16_kernel
+    x = torch.randn(3, layer.in_features).bfloat16()
+    aten = torch._weight_int4pack_mm_for_cpu(
+        x, layer.packed, layer.group_size, layer.scale_and_zero
+    )
+    _close(layer(x), aten, torch.bfloat16)

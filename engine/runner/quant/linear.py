@@ -181,6 +181,7 @@ class Int4Linear(QuantLinear):
         zf = (8 - w.zeros.float()) * w.scales
         scale_and_zero = torch.stack([w.scales.t(), zf.t()], dim=-1)  # [K/G, N, 2]
         self.register_buffer("scale_and_zero", scale_and_zero.to(dtype).contiguous())
+        self.bf16_kernel = False  # kernels/cpu_int4_linear.h for few rows; see use_cpu_kernels
         if self.weight_only_kernel == "cpu" and dequant_min_rows > 0:  # the checks, once
             x = torch.zeros(1, k, dtype=dtype)
             int4_weight_only_mm(x, self.packed, self.scale_and_zero, self.group_size)
@@ -192,6 +193,11 @@ class Int4Linear(QuantLinear):
             if not w4a16_supports(self.out_features, self.group_size):
                 return self.dequant_mm(x)
             return w4a16_gemm(x, self.packed, self.scale_and_zero, self.group_size)
+        if self.bf16_kernel:
+            # Nibbles to bfloat16 by bit operations and vdpbf16ps (kernels/cpu_int4_linear.h):
+            # ~1.5x aten's kernel at batch 1, which is bound by its float32 arithmetic.
+            return self.cpu_kernels.int4_linear(x, self.packed, self.scale_and_zero,
+                                                self.group_size)  # fmt: skip
         # aten directly: int4_weight_only_mm's checks ran once, at load (see Int8Linear).
         return torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scale_and_zero
@@ -200,6 +206,16 @@ class Int4Linear(QuantLinear):
     def cpu_kernels_fit(self) -> bool:
         # The C++ dequantization writes whole 64-row blocks and 16-element vectors of a group.
         return self.out_features % INT4_BLOCK_ROWS == 0 and self.group_size % 16 == 0
+
+    def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
+        super().use_cpu_kernels(kernels)
+        # The C++ few-rows kernel takes bfloat16 on CPUs with AVX512-BF16 and VBMI; float32
+        # and float16 models (and other CPUs) keep aten's.
+        self.bf16_kernel = (
+            self.cpu_kernels is not None
+            and self.scale_and_zero.dtype == torch.bfloat16
+            and self.cpu_kernels.has_int4_linear()
+        )
 
     def dequant_rows_mm(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         if self.cpu_kernels is None:
