@@ -91,9 +91,7 @@ def dequant_int4(
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (qweight (int8 [N, K], K % 16 == 0) * scales [N, None]).T, in x's dtype
     (scales in x's dtype too): W8A16 for decode's few rows, float32 accumulation."""
-    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
-    load_extension().int8_linear(out, x, qweight, scales)
-    return out
+    return load_extension().int8_linear(x, qweight, scales)
 
 
 def int4_linear(
@@ -104,9 +102,7 @@ def int4_linear(
 ) -> torch.Tensor:
     """x @ W.T for decode's few rows with W int4 (cpu_int4_linear.h; CPUs with AVX512-BF16
     and VBMI: has_int4_linear()), float32 accumulation, bfloat16 out."""
-    out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
-    load_extension().int4_linear(out, x, packed, scale_and_zero, group_size)
-    return out
+    return load_extension().int4_linear(x, packed, scale_and_zero, group_size)
 
 
 def has_int4_linear() -> bool:
@@ -119,9 +115,7 @@ def packed_bf16_linear(
 ) -> torch.Tensor:
     """x (bfloat16 [1-4, K]) @ W.T for W held in oneDNN's packed bf16 layout at
     `weight_address` (engine/runner/models/prepack.py checks the layout and owns the buffer)."""
-    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    load_extension().packed_bf16_linear(out, x, weight_address, out_features, in_features)
-    return out
+    return load_extension().packed_bf16_linear(x, weight_address, out_features, in_features)
 
 
 def dequant_int8(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -68,15 +68,19 @@ class PrepackedLinear(nn.Module):
         # address is taken once.
         self.gemv_kernels = None
         self.packed_address = 0
+        # The few-rows call with this layer's arguments bound: ~1 us of attribute reads per
+        # call saved, a tenth of a small layer's product at batch 1.
+        self.few_rows = None
         if kernels is not None and packed_layout_matches(*weight.shape, weight.dtype):
             self.gemv_kernels = kernels
             self.packed_address = torch.ops.mkldnn.data_ptr(packed)
+            kernel, address, n, k = kernels.packed_bf16_linear, self.packed_address, *weight.shape
+            self.few_rows = lambda x: kernel(x, address, n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_kernels is not None and x.dim() == 2 and x.shape[0] <= PACKED_GEMV_MAX_ROWS:
-            y = self.gemv_kernels.packed_bf16_linear(
-                x, self.packed_address, self.out_features, self.in_features
-            )
+        few_rows = self.few_rows
+        if few_rows is not None and x.dim() == 2 and x.shape[0] <= PACKED_GEMV_MAX_ROWS:
+            y = few_rows(x)
             return y if self.bias is None else y + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 

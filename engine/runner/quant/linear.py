@@ -72,6 +72,10 @@ class QuantLinear(nn.Module):
         # they take this layer's shape: one-pass dequantization for the many-rows path (and
         # int8's few-row kernel); None = the torch ops. Set with use_cpu_kernels.
         self.cpu_kernels = None
+        # The few-rows call with this layer's tensors bound (set by use_cpu_kernels once the
+        # weights are final), or None for weight_only_mm: at batch 1 a layer's call is ~5 us
+        # of kernel, and each buffer read through nn.Module.__getattr__ costs ~0.5-1 us.
+        self.few_rows = None
         self.chunk_rows = self._chunk_rows()
 
     def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
@@ -92,6 +96,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] < self.dequant_min_rows and self.bias is None:
             # Decode's call, kept short: Python here costs ~1 us a line, 121 times a step.
+            few_rows = self.few_rows
+            if few_rows is not None:
+                return few_rows(x.contiguous())
             return self.weight_only_mm(x.contiguous())
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -160,6 +167,13 @@ class Int8Linear(QuantLinear):
     def cpu_kernels_fit(self) -> bool:
         return self.in_features % 16 == 0  # whole vectors of a row
 
+    def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
+        super().use_cpu_kernels(kernels)
+        self.few_rows = None
+        if self.cpu_kernels is not None and self.weight_only_kernel == "cpu":
+            kernel, qweight, scales = self.cpu_kernels.int8_linear, self.qweight, self.scales
+            self.few_rows = lambda x: kernel(x, qweight, scales)
+
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:
             self.cpu_kernels.dequant_int8(out, self.qweight[start:end], self.scales[start:end])
@@ -194,8 +208,6 @@ class Int4Linear(QuantLinear):
                 return self.dequant_mm(x)
             return w4a16_gemm(x, self.packed, self.scale_and_zero, self.group_size)
         if self.bf16_kernel:
-            # Nibbles to bfloat16 by bit operations and vdpbf16ps (kernels/cpu_int4_linear.h):
-            # ~1.5x aten's kernel at batch 1, which is bound by its float32 arithmetic.
             return self.cpu_kernels.int4_linear(x, self.packed, self.scale_and_zero,
                                                 self.group_size)  # fmt: skip
         # aten directly: int4_weight_only_mm's checks ran once, at load (see Int8Linear).
@@ -213,9 +225,17 @@ class Int4Linear(QuantLinear):
         # and float16 models (and other CPUs) keep aten's.
         self.bf16_kernel = (
             self.cpu_kernels is not None
+            and self.weight_only_kernel == "cpu"
             and self.scale_and_zero.dtype == torch.bfloat16
             and self.cpu_kernels.has_int4_linear()
         )
+        self.few_rows = None
+        if self.bf16_kernel:
+            # Nibbles to bfloat16 by bit operations and vdpbf16ps (kernels/cpu_int4_linear.h):
+            # ~1.5x aten's kernel at batch 1, which is bound by its float32 arithmetic.
+            kernel, packed, params = self.cpu_kernels.int4_linear, self.packed, self.scale_and_zero
+            group_size = self.group_size
+            self.few_rows = lambda x: kernel(x, packed, params, group_size)
 
     def dequant_rows_mm(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         if self.cpu_kernels is None:
