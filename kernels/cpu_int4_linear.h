@@ -45,6 +45,10 @@ namespace cpu_int4_linear {
 constexpr int BLOCK_ROWS = 64;  // output rows per packed block
 constexpr int QUARTERS = 4;     // 16-row vectors per block
 constexpr int TILE_M = 4;       // x rows per pass over a block (its bytes stay in L1/L2)
+// Each thread's blocks are one contiguous stream; requesting the line 4 KB ahead into L1 beats
+// the hardware prefetcher's ramp on these short streams (a 576 x 576 layer is 83 KB a thread):
+// ~5% over no prefetch on SmolLM2's layers from DRAM (1 KB: nothing, 16 KB: ~4%).
+constexpr int64_t PREFETCH_BYTES = 4096;
 
 // vpermt2b indices building quarter `quarter % 2` of a nibble vector's rows (quarters 0-1
 // from the low nibbles, 2-3 from the high ones): lane r's four bytes are (row's k byte, 0x43,
@@ -85,6 +89,7 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
   }
   for (int64_t p = 0; p < pairs; p += SETS) {
     for (int s = 0; s < SETS; ++s) {
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + (p + s) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(bytes + (p + s) * 64);
       const __m512i lo = _mm512_and_si512(v, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
