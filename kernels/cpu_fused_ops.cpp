@@ -351,15 +351,21 @@ void packed_bf16_linear_impl(torch::Tensor out, torch::Tensor x, const c10::BFlo
   }
   const uint32_t* w = reinterpret_cast<const uint32_t*>(weight);
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  // Rows in tiles of up to 4 (the accumulators of 4 rows fill the registers); a block's
+  // later tiles read it again from L2.
   at::parallel_for(0, N / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint32_t* block = w + b * pairs * PACK_ROWS;
-      c10::BFloat16* o = op + b * PACK_ROWS;
-      switch (M) {
-        case 1: packed_bf16_block<1>(block, pairs, x_even, x_odd, o, N); break;
-        case 2: packed_bf16_block<2>(block, pairs, x_even, x_odd, o, N); break;
-        case 3: packed_bf16_block<3>(block, pairs, x_even, x_odd, o, N); break;
-        default: packed_bf16_block<4>(block, pairs, x_even, x_odd, o, N); break;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float* xe = x_even + m0 * pairs;
+        const float* xo = x_odd + m0 * pairs;
+        c10::BFloat16* o = op + m0 * N + b * PACK_ROWS;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: packed_bf16_block<1>(block, pairs, xe, xo, o, N); break;
+          case 2: packed_bf16_block<2>(block, pairs, xe, xo, o, N); break;
+          case 3: packed_bf16_block<3>(block, pairs, xe, xo, o, N); break;
+          default: packed_bf16_block<4>(block, pairs, xe, xo, o, N); break;
+        }
       }
     }
   });
@@ -554,8 +560,9 @@ torch::Tensor packed_bf16_linear(torch::Tensor x, int64_t weight_address, int64_
                                  int64_t K) {
   check_rows("x", x, true);
   TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 && x.size(1) == K && K % 2 == 0 &&
-                        x.size(0) >= 1 && x.size(0) <= 4,
-                    "x: bfloat16 [1-4, ", K, "] expected, got ", x.scalar_type(), " ", x.sizes());
+                        x.size(0) >= 1,
+                    "x: bfloat16 [rows, ", K, "] expected, got ", x.scalar_type(), " ",
+                    x.sizes());
   TORCH_CHECK_VALUE(N > 0 && N % PACK_ROWS == 0 && weight_address != 0,
                     "weight: N a multiple of 64 and a packed buffer expected, got N = ", N);
   torch::Tensor out = at::empty({x.size(0), N}, x.options());
@@ -577,5 +584,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear,
         "x (bfloat16) @ W.T for few rows, W int4 in kernels/int4_pack.py's 64-row blocks");
   m.def("packed_bf16_linear", &packed_bf16_linear,
-        "x @ W.T for 1-4 rows, W bfloat16 in oneDNN's 64-row, pairs-of-inputs packed layout");
+        "x @ W.T for few rows, W bfloat16 in oneDNN's 64-row, pairs-of-inputs packed layout");
 }

@@ -114,7 +114,7 @@ def _packed_gemv_or_skip():
     return cpu_fused_ops
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8])  # 5, 8: a second tile of rows
 @pytest.mark.parametrize(("n", "k"), [(128, 96), (64, 576), (192, 32)])
 def test_few_rows_read_the_packed_weight_in_place(num_rows, n, k):
     """packed_bf16_linear against the float32 product of the same bf16 values: only the
@@ -147,7 +147,7 @@ def test_the_layout_check_refuses_what_the_kernel_cannot_read():
 
 def test_engine_decode_steps_use_the_packed_gemv(monkeypatch):
     """With the fused ops and prepacking on (the CPU defaults), a batch-1 decode step's linears
-    go through packed_bf16_linear; off, none do."""
+    go through packed_bf16_linear (and a prefill of up to 8 tokens); off, none do."""
     from engine import LLM, SamplingParams
 
     kernels = _packed_gemv_or_skip()
@@ -166,5 +166,6 @@ def test_engine_decode_steps_use_the_packed_gemv(monkeypatch):
         llm = LLM(model="random:tiny", dtype="bfloat16", fused_ops=fused, seed=3)
         outputs[fused] = llm.generate([[11, 12, 13, 14, 15]], params)[0].token_ids
         assert bool(calls) is fused
-    assert set(calls) == {1}
+    # Decode's 1 row, and the 5-token prompt's prefill (<= PACKED_GEMV_MAX_ROWS rows) too.
+    assert set(calls) == {1, 5}
     assert len(outputs[True]) == len(outputs[False]) == 4

@@ -14,7 +14,8 @@ Quantized layers keep their own kernels. A tied LM head (SmolLM2's) gets a packe
 embedding table, since the embedding lookup needs the plain layout: 2 bytes x vocab x hidden
 more memory (57 MB for SmolLM2-135M) for the ~10 % of a decode step the head takes.
 
-With the fused C++ ops (layer_ops.py), a bf16 layer's 1-4 rows (decode) go to a C++
+With the fused C++ ops (layer_ops.py), a bf16 layer's 1-8 rows (decode, a verify step of up to
+7 drafts) go to a C++
 matrix-vector kernel that reads the same packed bytes, where oneDNN's own call streams them at
 about half the memory's speed (kernels/README.md): same products, summed in another order, so
 within a bf16 rounding of oneDNN rather than bit-identical. `packed_layout_matches` proves the
@@ -33,9 +34,10 @@ from torch import nn
 PREPACK_DTYPES = (torch.bfloat16, torch.float16)
 # Rows at or below which a bf16 layer multiplies with the C++ kernel that reads oneDNN's packed
 # weight in place (kernels/cpu_fused_ops.cpp, packed_bf16_linear): decode's matrix-vector
-# products. Measured on a 2-core EPYC, SmolLM2's decoder shapes streamed from DRAM: 1.5-1.9x
-# oneDNN's own call at 1-4 rows (which it does not special-case); above, oneDNN's GEMM.
-PACKED_GEMV_MAX_ROWS = 4
+# products. Measured on a 2-core EPYC, SmolLM2's layers streamed from DRAM: 1.4x oneDNN's own
+# call at 1 row (which it does not special-case), ~1.1x at 4-6 (a speculative verify step),
+# even at 8, slower above (12 rows: 13.4 vs 11.2 ms); there oneDNN's GEMM.
+PACKED_GEMV_MAX_ROWS = 8
 PACK_BLOCK_ROWS = 64  # output rows per block of the packed layout (see packed_layout_matches)
 
 
