@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.runner.models.prepack import (
-    PACKED_GEMV_MAX_ROWS,
     PrepackedLinear,
     can_prepack,
     packed_layout_matches,
@@ -114,7 +113,7 @@ def _packed_gemv_or_skip():
     return cpu_fused_ops
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8])  # 5, 8: a second tile of rows
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 17, 64])  # > 4: tiles of 4 rows
 @pytest.mark.parametrize(("n", "k"), [(128, 96), (64, 576), (192, 32)])
 def test_few_rows_read_the_packed_weight_in_place(num_rows, n, k):
     """packed_bf16_linear against the float32 product of the same bf16 values: only the
@@ -131,8 +130,8 @@ def test_few_rows_read_the_packed_weight_in_place(num_rows, n, k):
     assert got.dtype == torch.bfloat16 and got.shape == (num_rows, n)
     err = ((got - b).float() - ref).abs().max().item()
     assert err <= 2**-7 * max(ref.abs().max().item(), 1.0)
-    # Above PACKED_GEMV_MAX_ROWS: oneDNN, bit for bit as F.linear.
-    many = torch.randn(PACKED_GEMV_MAX_ROWS + 1, k, generator=gen).bfloat16()
+    # Above the kernel's rows: oneDNN, bit for bit as F.linear.
+    many = torch.randn(layer.few_rows_max + 1, k, generator=gen).bfloat16()
     assert torch.equal(layer(many), F.linear(many, w, b))
 
 
@@ -166,6 +165,6 @@ def test_engine_decode_steps_use_the_packed_gemv(monkeypatch):
         llm = LLM(model="random:tiny", dtype="bfloat16", fused_ops=fused, seed=3)
         outputs[fused] = llm.generate([[11, 12, 13, 14, 15]], params)[0].token_ids
         assert bool(calls) is fused
-    # Decode's 1 row, and the 5-token prompt's prefill (<= PACKED_GEMV_MAX_ROWS rows) too.
+    # Decode's 1 row, and the 5-token prompt's prefill (<= PACKED_GEMV_MAX_ROWS_AMX rows) too.
     assert set(calls) == {1, 5}
     assert len(outputs[True]) == len(outputs[False]) == 4

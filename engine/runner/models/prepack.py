@@ -33,11 +33,15 @@ from torch import nn
 
 PREPACK_DTYPES = (torch.bfloat16, torch.float16)
 # Rows at or below which a bf16 layer multiplies with the C++ kernel that reads oneDNN's packed
-# weight in place (kernels/cpu_fused_ops.cpp, packed_bf16_linear): decode's matrix-vector
-# products. Measured on a 2-core EPYC, SmolLM2's layers streamed from DRAM: 1.4x oneDNN's own
-# call at 1 row (which it does not special-case), ~1.1x at 4-6 (a speculative verify step),
-# even at 8, slower above (12 rows: 13.4 vs 11.2 ms); there oneDNN's GEMM.
-PACKED_GEMV_MAX_ROWS = 8
+# weight in place (kernels/cpu_fused_ops.cpp, packed_bf16_linear), above them oneDNN's GEMM.
+# Measured on a 2-core EPYC (AVX512-BF16, no AMX), SmolLM2's layers streamed from DRAM, the
+# kernel with vdpbf16ps against oneDNN's call on the same packed weight: 1 row 8.0 vs 11.1 ms,
+# 8 rows 8.7 vs 13.8, 32 rows 15.9 vs 19.7, 64 rows 27.4 vs 35.3, 128 rows 53.5 vs 54.5: so up
+# to a batch-64 decode step. A CPU with AMX tiles runs oneDNN's GEMM several times faster on
+# many rows (not measured here): there only decode's few rows (as first measured: 1.4x at one
+# row, even at 8).
+PACKED_GEMV_MAX_ROWS = 64
+PACKED_GEMV_MAX_ROWS_AMX = 4
 PACK_BLOCK_ROWS = 64  # output rows per block of the packed layout (see packed_layout_matches)
 
 
@@ -73,6 +77,7 @@ class PrepackedLinear(nn.Module):
         # The few-rows call with this layer's arguments bound: ~1 us of attribute reads per
         # call saved, a tenth of a small layer's product at batch 1.
         self.few_rows = None
+        self.few_rows_max = packed_gemv_max_rows()
         if kernels is not None and packed_layout_matches(*weight.shape, weight.dtype):
             self.gemv_kernels = kernels
             self.packed_address = torch.ops.mkldnn.data_ptr(packed)
@@ -81,7 +86,7 @@ class PrepackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         few_rows = self.few_rows
-        if few_rows is not None and x.dim() == 2 and x.shape[0] <= PACKED_GEMV_MAX_ROWS:
+        if few_rows is not None and x.dim() == 2 and x.shape[0] <= self.few_rows_max:
             y = few_rows(x)
             return y if self.bias is None else y + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -108,6 +113,21 @@ def prepack_linears(model: nn.Module, kernels: ModuleType | None = None) -> int:
         model.lm_head = PrepackedLinear(model.embed_tokens.weight, None, kernels)
         count += 1
     return count
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Linux's /proc/cpuinfo flags; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
+def packed_gemv_max_rows() -> int:
+    """Rows up to which a packed bf16 layer takes the C++ kernel (see PACKED_GEMV_MAX_ROWS)."""
+    return PACKED_GEMV_MAX_ROWS_AMX if cpu_has_amx() else PACKED_GEMV_MAX_ROWS
 
 
 @functools.cache
