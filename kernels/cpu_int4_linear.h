@@ -69,12 +69,19 @@ struct PairIndex {
 inline constexpr PairIndex PAIR_INDEX{};
 constexpr float ONE_TWENTY_EIGHT_PLUS_EIGHT = 136.0f;  // the a(k) offset plus the layout's 8
 
+// Where a tile of x rows gets the block's bfloat16 pairs: built from the nibbles (one tile),
+// built and kept in a scratch (the first of several tiles), or read back from it (the others:
+// with more than 4 rows the conversion is done once per block, not once per tile, and the
+// block's 16-bit pairs, K/2 x 256 bytes, stay in L2).
+enum class Pairs { BUILD, BUILD_AND_KEEP, REUSE };
+
 // acc[m][quarter] += sum over the group's input pairs of (128 + q) * x, for MR x rows.
 // Two accumulator sets (even and odd pairs) when they fit the registers: a vdpbf16ps waits on
 // the previous one into the same accumulator, and 4 chains do not cover its latency.
-template <int MR>
+template <int MR, Pairs SOURCE>
 __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int64_t pairs,
                                                       const uint32_t* const* x_pairs,
+                                                      __m512i* kept,
                                                       __m512 (&acc)[MR][QUARTERS]) {
   constexpr int SETS = MR <= 2 ? 2 : 1;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -89,14 +96,24 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
   }
   for (int64_t p = 0; p < pairs; p += SETS) {
     for (int s = 0; s < SETS; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + (p + s) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(bytes + (p + s) * 64);
-      const __m512i lo = _mm512_and_si512(v, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      const __m512i w[QUARTERS] = {_mm512_permutex2var_epi8(lo, index_lo, high_byte),
-                                   _mm512_permutex2var_epi8(lo, index_hi, high_byte),
-                                   _mm512_permutex2var_epi8(hi, index_lo, high_byte),
-                                   _mm512_permutex2var_epi8(hi, index_hi, high_byte)};
+      __m512i w[QUARTERS];
+      __m512i* keep = kept + (p + s) * QUARTERS;
+      if constexpr (SOURCE == Pairs::REUSE) {
+        for (int j = 0; j < QUARTERS; ++j) w[j] = _mm512_loadu_si512(keep + j);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(bytes + (p + s) * 64 + PREFETCH_BYTES),
+                     _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(bytes + (p + s) * 64);
+        const __m512i lo = _mm512_and_si512(v, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        w[0] = _mm512_permutex2var_epi8(lo, index_lo, high_byte);
+        w[1] = _mm512_permutex2var_epi8(lo, index_hi, high_byte);
+        w[2] = _mm512_permutex2var_epi8(hi, index_lo, high_byte);
+        w[3] = _mm512_permutex2var_epi8(hi, index_hi, high_byte);
+        if constexpr (SOURCE == Pairs::BUILD_AND_KEEP) {
+          for (int j = 0; j < QUARTERS; ++j) _mm512_storeu_si512(keep + j, w[j]);
+        }
+      }
       for (int m = 0; m < MR; ++m) {
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(x_pairs[m][p + s]));
         for (int j = 0; j < QUARTERS; ++j) {
@@ -122,9 +139,10 @@ inline void store_bf16(c10::BFloat16* dst, __m512 v) {
 }
 
 // One 64-row block for MR x rows: out[m][n0 .. n0 + 63].
-template <int MR>
-void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int64_t group_size, const uint32_t* const* x_pairs, const float* x_group_sums,
-                int64_t groups, c10::BFloat16* const* out) {
+template <int MR, Pairs SOURCE>
+void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int64_t group_size,
+                const uint32_t* const* x_pairs, const float* x_group_sums, int64_t groups,
+                __m512i* kept, c10::BFloat16* const* out) {
   __m512 total[MR][QUARTERS];
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < QUARTERS; ++j) total[m][j] = _mm512_setzero_ps();
@@ -134,7 +152,8 @@ void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int
     const uint32_t* group_pairs[MR];
     for (int m = 0; m < MR; ++m) group_pairs[m] = x_pairs[m] + g * pairs;
     __m512 acc[MR][QUARTERS];
-    group_dots<MR>(block + g * group_size * 32, pairs, group_pairs, acc);
+    group_dots<MR, SOURCE>(block + g * group_size * 32, pairs, group_pairs,
+                           kept + g * pairs * QUARTERS, acc);
     for (int j = 0; j < QUARTERS; ++j) {
       // 16 rows' (s, zf) bfloat16 pairs: s in the low half of each 32-bit lane.
       const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
@@ -149,6 +168,32 @@ void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int
   }
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < QUARTERS; ++j) store_bf16(out[m] + j * 16, total[m][j]);
+  }
+}
+
+template <Pairs SOURCE>
+void tile_rows(int mr, const uint8_t* block, const uint32_t* sz, int64_t N, int64_t group_size,
+               const uint32_t* const* x_pairs, const float* sums, int64_t groups, __m512i* kept,
+               c10::BFloat16* const* o) {
+  switch (mr) {
+    case 4: return block_rows<4, SOURCE>(block, sz, N, group_size, x_pairs, sums, groups, kept, o);
+    case 3: return block_rows<3, SOURCE>(block, sz, N, group_size, x_pairs, sums, groups, kept, o);
+    case 2: return block_rows<2, SOURCE>(block, sz, N, group_size, x_pairs, sums, groups, kept, o);
+    default: return block_rows<1, SOURCE>(block, sz, N, group_size, x_pairs, sums, groups, kept, o);
+  }
+}
+
+inline void tile(Pairs source, int mr, const uint8_t* block, const uint32_t* sz, int64_t N,
+                 int64_t group_size, const uint32_t* const* x_pairs, const float* sums,
+                 int64_t groups, __m512i* kept, c10::BFloat16* const* o) {
+  switch (source) {
+    case Pairs::BUILD:
+      return tile_rows<Pairs::BUILD>(mr, block, sz, N, group_size, x_pairs, sums, groups, kept, o);
+    case Pairs::BUILD_AND_KEEP:
+      return tile_rows<Pairs::BUILD_AND_KEEP>(mr, block, sz, N, group_size, x_pairs, sums, groups,
+                                              kept, o);
+    default:
+      return tile_rows<Pairs::REUSE>(mr, block, sz, N, group_size, x_pairs, sums, groups, kept, o);
   }
 }
 
@@ -171,6 +216,8 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
   const int64_t blocks = N / BLOCK_ROWS;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    // A block's 16-bit pairs, kept for its later tiles when x has more than TILE_M rows.
+    std::vector<__m512i> kept(M > TILE_M ? size_t(K / 2 * QUARTERS) : 0);
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = packed + b * BLOCK_ROWS * K / 2;
       const uint32_t* block_sz = sz + b * BLOCK_ROWS;
@@ -183,12 +230,11 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
           o[i] = out + (m0 + i) * N + b * BLOCK_ROWS;
         }
         const float* tile_sums = sums.data() + m0 * groups;
-        switch (mr) {
-          case 4: block_rows<4>(block, block_sz, N, group_size, x_pairs, tile_sums, groups, o); break;
-          case 3: block_rows<3>(block, block_sz, N, group_size, x_pairs, tile_sums, groups, o); break;
-          case 2: block_rows<2>(block, block_sz, N, group_size, x_pairs, tile_sums, groups, o); break;
-          default: block_rows<1>(block, block_sz, N, group_size, x_pairs, tile_sums, groups, o); break;
-        }
+        const Pairs source = M <= TILE_M ? Pairs::BUILD
+                             : m0 == 0   ? Pairs::BUILD_AND_KEEP
+                                         : Pairs::REUSE;
+        tile(source, mr, block, block_sz, N, group_size, x_pairs, tile_sums, groups, kept.data(),
+             o);
       }
     }
   });

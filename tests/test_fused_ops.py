@@ -260,10 +260,12 @@ def _int4_weight(n: int, k: int, group: int, gen: torch.Generator):
 
 @pytest.mark.parametrize(
     ("rows", "n", "k", "group"),
-    # rows: 1 (decode), 2 and 3 (odd tiles), 5 and 9 (several tiles of 4); groups 32-128;
-    # SmolLM2's shapes (576 = 9 x 64, 1536) and several 64-row blocks per thread.
+    # rows: 1 (decode), 2 and 3 (odd tiles), 5, 9, 17 and 64 (several tiles of 4: the first
+    # builds a block's 16-bit pairs, the others reuse them); groups 32-128; SmolLM2's shapes
+    # (576 = 9 x 64, 1536) and several 64-row blocks per thread.
     [(1, 64, 64, 32), (1, 576, 576, 64), (2, 960, 576, 64), (3, 128, 1536, 128),
-     (5, 1536, 576, 32), (9, 192, 576, 64), (4, 3072, 576, 64)],
+     (5, 1536, 576, 32), (9, 192, 576, 64), (4, 3072, 576, 64), (17, 320, 1536, 128),
+     (64, 576, 576, 64)],
 )  # fmt: skip
 def test_int4_linear_matches_the_dequantized_matmul(fused, rows, n, k, group):
     """W4A16 (cpu_int4_linear.h) against x @ W.T in float32 with W dequantized from the same
@@ -315,6 +317,16 @@ def test_int4_bf16_decode_runs_the_cpp_kernel(fused, monkeypatch):
     assert 1 in calls and max(calls) < llm.engine.runner.quant_summary.dequant_min_rows
     layer = next(m for m in llm.engine.runner.model.modules() if isinstance(m, Int4Linear))
     assert layer.bf16_kernel
+    # Up to a batch-64 step through the kernel (it reuses a block's pairs across rows), except
+    # on AMX CPUs, whose 16-bit GEMM takes many rows (apply.CPU_INT4_KERNEL_DEQUANT_MIN_ROWS).
+    from engine.runner.models.prepack import cpu_has_amx
+    from engine.runner.quant.apply import (
+        CPU_FUSED_DEQUANT_MIN_ROWS,
+        CPU_INT4_KERNEL_DEQUANT_MIN_ROWS,
+    )
+
+    expected = CPU_FUSED_DEQUANT_MIN_ROWS if cpu_has_amx() else CPU_INT4_KERNEL_DEQUANT_MIN_ROWS
+    assert layer.dequant_min_rows == expected
     x = torch.randn(3, layer.in_features).bfloat16()
     aten = torch._weight_int4pack_mm_for_cpu(
         x, layer.packed, layer.group_size, layer.scale_and_zero

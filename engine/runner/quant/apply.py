@@ -40,6 +40,13 @@ CPU_DEQUANT_MIN_ROWS = {"int8": 64, "int4": 128}
 # 326 vs 259; int8 M=16 435 vs 447 and 181 vs 179, M=32 877 vs 562. `python -m
 # benchmarks.quant_crossover` (whole layers, 8/16/32/64 rows): 32 for both formats.
 CPU_FUSED_DEQUANT_MIN_ROWS = 32
+# int4 layers that run kernels/cpu_int4_linear.h (bfloat16 on AVX512-BF16 + VBMI CPUs without
+# AMX): it turns each 64-row block's nibbles into 16-bit pairs once and reuses them for every 4
+# x rows, so it keeps up with the prepacked bf16 kernel up to a batch-64 decode step. Measured
+# over SmolLM2's layers on the 2-core EPYC, one run: 32 rows 13.4 ms (bf16 13.5), 64 rows 25.2
+# (bf16 23.7), where dequantize + GEMM had made batch-64 decode 0.51x bf16 (benchmarks.quant).
+# With AMX the 16-bit GEMM is several times faster on many rows (not measured): 32 stays there.
+CPU_INT4_KERNEL_DEQUANT_MIN_ROWS = 65
 # CUDA: the Triton weight-only kernels (kernels/w4a16_gemm.py, w8a16_gemm.py) below this many
 # rows, dequantize + cuBLAS above: vLLM's AWQ path switches at 256 tokens. Not yet measured with
 # our kernels (no GPU was lent while they were written); scripts/gpu_check.py times both paths.
