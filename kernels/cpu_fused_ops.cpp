@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_int4_linear.h"
@@ -309,6 +310,26 @@ void int8_linear_impl(torch::Tensor out, torch::Tensor x, torch::Tensor qweight,
 // its blocks as one contiguous stream (oneDNN's own GEMV on this layout reached ~16 GB/s in a
 // decode step; this ~25).
 constexpr int64_t PACK_ROWS = 64;
+constexpr int PACK_TILE_M = 4;  // x rows per pass: their accumulators fill the registers
+
+// tile(b, m0, rows) for every 64-row block b (blocks split over the threads) and every tile
+// of up to PACK_TILE_M x rows from m0; a block's later tiles read it again from L2. `rows` is
+// a std::integral_constant, so the kernels are instantiated per tile height.
+template <typename Tile>
+void for_block_tiles(int64_t N, int64_t M, const Tile& tile) {
+  at::parallel_for(0, N / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t m0 = 0; m0 < M; m0 += PACK_TILE_M) {
+        switch (std::min<int64_t>(PACK_TILE_M, M - m0)) {
+          case 1: tile(b, m0, std::integral_constant<int, 1>{}); break;
+          case 2: tile(b, m0, std::integral_constant<int, 2>{}); break;
+          case 3: tile(b, m0, std::integral_constant<int, 3>{}); break;
+          default: tile(b, m0, std::integral_constant<int, 4>{}); break;
+        }
+      }
+    }
+  });
+}
 
 template <int MR>
 void packed_bf16_block(const uint32_t* block, int64_t pairs, const float* x_even,
@@ -392,20 +413,10 @@ void packed_bf16_linear_dp(torch::Tensor out, torch::Tensor x, const c10::BFloat
   const uint32_t* x_pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
   const uint32_t* w = reinterpret_cast<const uint32_t*>(weight);
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, N / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint32_t* block = w + b * pairs * PACK_ROWS;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const uint32_t* xm = x_pairs + m0 * pairs;
-        c10::BFloat16* o = op + m0 * N + b * PACK_ROWS;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: packed_bf16_block_dp<1>(block, pairs, xm, o, N); break;
-          case 2: packed_bf16_block_dp<2>(block, pairs, xm, o, N); break;
-          case 3: packed_bf16_block_dp<3>(block, pairs, xm, o, N); break;
-          default: packed_bf16_block_dp<4>(block, pairs, xm, o, N); break;
-        }
-      }
-    }
+  for_block_tiles(N, M, [&](int64_t b, int64_t m0, auto rows) {
+    packed_bf16_block_dp<decltype(rows)::value>(w + b * pairs * PACK_ROWS, pairs,
+                                                x_pairs + m0 * pairs, op + m0 * N + b * PACK_ROWS,
+                                                N);
   });
 }
 #endif
@@ -428,23 +439,10 @@ void packed_bf16_linear_impl(torch::Tensor out, torch::Tensor x, const c10::BFlo
   }
   const uint32_t* w = reinterpret_cast<const uint32_t*>(weight);
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  // Rows in tiles of up to 4 (the accumulators of 4 rows fill the registers); a block's
-  // later tiles read it again from L2.
-  at::parallel_for(0, N / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint32_t* block = w + b * pairs * PACK_ROWS;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const float* xe = x_even + m0 * pairs;
-        const float* xo = x_odd + m0 * pairs;
-        c10::BFloat16* o = op + m0 * N + b * PACK_ROWS;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: packed_bf16_block<1>(block, pairs, xe, xo, o, N); break;
-          case 2: packed_bf16_block<2>(block, pairs, xe, xo, o, N); break;
-          case 3: packed_bf16_block<3>(block, pairs, xe, xo, o, N); break;
-          default: packed_bf16_block<4>(block, pairs, xe, xo, o, N); break;
-        }
-      }
-    }
+  for_block_tiles(N, M, [&](int64_t b, int64_t m0, auto rows) {
+    packed_bf16_block<decltype(rows)::value>(w + b * pairs * PACK_ROWS, pairs,
+                                             x_even + m0 * pairs, x_odd + m0 * pairs,
+                                             op + m0 * N + b * PACK_ROWS, N);
   });
 }
 

@@ -133,8 +133,8 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
 inline void store_bf16(c10::BFloat16* dst, __m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
 }
 
@@ -158,11 +158,13 @@ void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int
       // 16 rows' (s, zf) bfloat16 pairs: s in the low half of each 32-bit lane.
       const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
       const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(int(0xFFFF0000u))));
+      const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
+      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
       const __m512 offset = _mm512_fnmadd_ps(s, _mm512_set1_ps(ONE_TWENTY_EIGHT_PLUS_EIGHT), zf);
       for (int m = 0; m < MR; ++m) {
         total[m][j] = _mm512_fmadd_ps(s, acc[m][j], total[m][j]);
-        total[m][j] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_group_sums[m * groups + g]), total[m][j]);
+        const __m512 x_sum = _mm512_set1_ps(x_group_sums[m * groups + g]);
+        total[m][j] = _mm512_fmadd_ps(offset, x_sum, total[m][j]);
       }
     }
   }
