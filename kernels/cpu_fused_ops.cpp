@@ -48,16 +48,7 @@ inline f32x16 load16(const c10::Half* p) {
   return v;
 }
 inline void store16(float* p, f32x16 v) { store_vec(p, v); }
-inline void store16(c10::BFloat16* p, f32x16 v) {
-  // Round to nearest even on the bits (c10::BFloat16's rule), NaN kept a quiet NaN.
-  u32x16 bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const u32x16 is_nan = (u32x16)(v != v);  // all ones where NaN
-  const u32x16 out = (is_nan & 0x7FC0u) | (~is_nan & rounded);
-  const u16x16 narrow = __builtin_convertvector(out, u16x16);
-  std::memcpy(p, &narrow, sizeof narrow);
-}
+inline void store16(c10::BFloat16* p, f32x16 v) { store_bf16x16(p, v); }
 inline void store16(c10::Half* p, f32x16 v) {
   for (int i = 0; i < LANES; ++i) from_float(v[i], &p[i]);
 }
@@ -363,7 +354,6 @@ void packed_bf16_block(const uint32_t* block, int64_t pairs, const float* x_even
 // float32, so only the summation order changes). The shift-and-mask-and-two-FMAs above made
 // the kernel compute-bound at ~38 GB/s on SmolLM2's layers; this one is bound by the stream.
 // Two accumulator sets for one or two rows: 4 chains do not cover vdpbf16ps's latency.
-constexpr int64_t PACKED_PREFETCH_BYTES = 4096;  // as cpu_int4_linear.h's stream (0: -8%)
 
 template <int MR>
 void packed_bf16_block_dp(const uint32_t* block, int64_t pairs, const uint32_t* x_pairs,
@@ -378,13 +368,11 @@ void packed_bf16_block_dp(const uint32_t* block, int64_t pairs, const uint32_t* 
   }
   auto pair = [&](int64_t p, int s) __attribute__((always_inline)) {
     const uint32_t* row_pairs = block + p * PACK_ROWS;
-    _mm_prefetch(reinterpret_cast<const char*>(row_pairs) + PACKED_PREFETCH_BYTES, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row_pairs) + PACKED_PREFETCH_BYTES + 64,
-                 _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row_pairs) + PACKED_PREFETCH_BYTES + 128,
-                 _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row_pairs) + PACKED_PREFETCH_BYTES + 192,
-                 _MM_HINT_T0);
+    // This pair's 4 cache lines, STREAM_PREFETCH_BYTES ahead (cpu_simd.h; none: -8%).
+    for (int line = 0; line < J; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(row_pairs + line * LANES) + STREAM_PREFETCH_BYTES,
+                   _MM_HINT_T0);
+    }
     __m512bh w[J];
     for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_loadu_si512(row_pairs + j * LANES);
     for (int m = 0; m < MR; ++m) {
@@ -529,24 +517,34 @@ void silu_mul(torch::Tensor out, torch::Tensor gate_up) {
   DISPATCH_MODEL_DTYPE(out.scalar_type(), silu_mul_impl, out, gate_up)
 }
 
-void dequant_int4(torch::Tensor wt, torch::Tensor packed, torch::Tensor scale_and_zero,
-                  int64_t group_size, int64_t row_start, int64_t rows) {
+// An int4 weight as kernels/int4_pack.py lays it out: packed uint8 [N, K/2] with its
+// scale_and_zero [K/G, N, 2] and a group size the 16-lane kernels take. Returns (N, K).
+std::pair<int64_t, int64_t> check_int4_weight(const torch::Tensor& packed,
+                                              const torch::Tensor& scale_and_zero,
+                                              int64_t group_size) {
   TORCH_CHECK_VALUE(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
                         packed.dim() == 2 && packed.is_contiguous(),
-                    "packed: contiguous uint8 [N, K/2] expected");
+                    "packed: contiguous uint8 [N, K/2] expected, got ", packed.scalar_type(), " ",
+                    packed.sizes());
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK_VALUE(group_size > 0 && group_size % LANES == 0 && K % group_size == 0,
                     "group_size: a multiple of 16 dividing K = ", K, " expected, got ",
                     group_size);
-  TORCH_CHECK_VALUE(row_start >= 0 && rows > 0 && row_start % 64 == 0 && rows % 64 == 0 &&
-                        row_start + rows <= N / 64 * 64,
-                    "rows: whole 64-row blocks inside N = ", N, " expected, got [", row_start,
-                    ", ", row_start + rows, ")");
   TORCH_CHECK_VALUE(scale_and_zero.device().is_cpu() && scale_and_zero.dim() == 3 &&
                         scale_and_zero.size(0) == K / group_size && scale_and_zero.size(1) == N &&
                         scale_and_zero.size(2) == 2 && scale_and_zero.is_contiguous(),
                     "scale_and_zero: contiguous [K/G, N, 2] expected, got ",
-                    scale_and_zero.sizes());
+                    scale_and_zero.scalar_type(), " ", scale_and_zero.sizes());
+  return {N, K};
+}
+
+void dequant_int4(torch::Tensor wt, torch::Tensor packed, torch::Tensor scale_and_zero,
+                  int64_t group_size, int64_t row_start, int64_t rows) {
+  const auto [N, K] = check_int4_weight(packed, scale_and_zero, group_size);
+  TORCH_CHECK_VALUE(row_start >= 0 && rows > 0 && row_start % 64 == 0 && rows % 64 == 0 &&
+                        row_start + rows <= N / 64 * 64,
+                    "rows: whole 64-row blocks inside N = ", N, " expected, got [", row_start,
+                    ", ", row_start + rows, ")");
   TORCH_CHECK_VALUE(wt.device().is_cpu() && wt.dim() == 2 && wt.size(0) == K &&
                         wt.size(1) == rows && wt.stride(1) == 1 &&
                         wt.scalar_type() == scale_and_zero.scalar_type(),
@@ -602,22 +600,14 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                           int64_t group_size) {
   TORCH_CHECK_VALUE(has_int4_linear(), "int4_linear: this CPU lacks AVX512-BF16 or AVX512-VBMI");
   check_rows("x", x, true);
-  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16, "x: bfloat16 expected, got ",
                     x.scalar_type());
-  TORCH_CHECK_VALUE(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
-                        packed.dim() == 2 && packed.is_contiguous() && packed.size(1) * 2 == K &&
-                        packed.size(0) % 64 == 0,
+  const int64_t M = x.size(0);
+  const auto [N, K] = check_int4_weight(packed, scale_and_zero, group_size);
+  TORCH_CHECK_VALUE(K == x.size(1) && N % 64 == 0,
                     "packed: contiguous uint8 [N, K/2], N a multiple of 64, for x ", x.sizes(),
                     " expected, got ", packed.sizes());
-  const int64_t N = packed.size(0);
-  TORCH_CHECK_VALUE(group_size > 0 && group_size % LANES == 0 && K % group_size == 0,
-                    "group_size: a multiple of 16 dividing K = ", K, " expected, got ",
-                    group_size);
-  TORCH_CHECK_VALUE(scale_and_zero.device().is_cpu() && scale_and_zero.dim() == 3 &&
-                        scale_and_zero.size(0) == K / group_size && scale_and_zero.size(1) == N &&
-                        scale_and_zero.size(2) == 2 && scale_and_zero.is_contiguous() &&
-                        scale_and_zero.scalar_type() == at::kBFloat16,
+  TORCH_CHECK_VALUE(scale_and_zero.scalar_type() == at::kBFloat16,
                     "scale_and_zero: contiguous bfloat16 [K/G, N, 2] expected, got ",
                     scale_and_zero.scalar_type(), " ", scale_and_zero.sizes());
   torch::Tensor out = at::empty({M, N}, x.options());

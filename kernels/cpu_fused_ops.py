@@ -113,8 +113,9 @@ def has_int4_linear() -> bool:
 def packed_bf16_linear(
     x: torch.Tensor, weight_address: int, out_features: int, in_features: int
 ) -> torch.Tensor:
-    """x (bfloat16 [M, K], M <= prepack.packed_gemv_max_rows()) @ W.T for W held in oneDNN's packed bf16 layout at
-    `weight_address` (engine/runner/models/prepack.py checks the layout and owns the buffer)."""
+    """x (bfloat16 [M, K], M <= prepack.packed_gemv_max_rows()) @ W.T for W held in oneDNN's
+    packed bf16 layout at `weight_address` (engine/runner/models/prepack.py checks the layout
+    and owns the buffer)."""
     return load_extension().packed_bf16_linear(x, weight_address, out_features, in_features)
 
 

@@ -25,7 +25,8 @@
 // k + 1 are adjacent, so one 64-byte load holds a pair of inputs for all 64 rows. A byte
 // permute (vpermt2b) interleaves the pair per row and puts 0x43 above each nibble:
 // 32-bit lane r = (0x4300 | q(r, k), 0x4300 | q(r, k + 1)), matching x's pair (x(k), x(k+1)).
-// Each thread streams whole blocks (K * 32 contiguous bytes): the hardware prefetcher follows.
+// Each thread streams whole blocks (K * 32 contiguous bytes), prefetched STREAM_PREFETCH_BYTES
+// ahead (cpu_simd.h).
 #pragma once
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -34,6 +35,8 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+
+#include "cpu_simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -45,10 +48,6 @@ namespace cpu_int4_linear {
 constexpr int BLOCK_ROWS = 64;  // output rows per packed block
 constexpr int QUARTERS = 4;     // 16-row vectors per block
 constexpr int TILE_M = 4;       // x rows per pass over a block (its bytes stay in L1/L2)
-// Each thread's blocks are one contiguous stream; requesting the line 4 KB ahead into L1 beats
-// the hardware prefetcher's ramp on these short streams (a 576 x 576 layer is 83 KB a thread):
-// ~5% over no prefetch on SmolLM2's layers from DRAM (1 KB: nothing, 16 KB: ~4%).
-constexpr int64_t PREFETCH_BYTES = 4096;
 
 // vpermt2b indices building quarter `quarter % 2` of a nibble vector's rows (quarters 0-1
 // from the low nibbles, 2-3 from the high ones): lane r's four bytes are (row's k byte, 0x43,
@@ -101,8 +100,8 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
       if constexpr (SOURCE == Pairs::REUSE) {
         for (int j = 0; j < QUARTERS; ++j) w[j] = _mm512_loadu_si512(keep + j);
       } else {
-        _mm_prefetch(reinterpret_cast<const char*>(bytes + (p + s) * 64 + PREFETCH_BYTES),
-                     _MM_HINT_T0);
+        const uint8_t* ahead = bytes + (p + s) * 64 + cpu_simd::STREAM_PREFETCH_BYTES;
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(bytes + (p + s) * 64);
         const __m512i lo = _mm512_and_si512(v, nibble);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
@@ -129,14 +128,6 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
   }
 }
 
-// Rounds to bfloat16, nearest even (c10::BFloat16's rule for finite values).
-inline void store_bf16(c10::BFloat16* dst, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
-}
 
 // One 64-row block for MR x rows: out[m][n0 .. n0 + 63].
 template <int MR, Pairs SOURCE>
@@ -169,7 +160,9 @@ void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int
     }
   }
   for (int m = 0; m < MR; ++m) {
-    for (int j = 0; j < QUARTERS; ++j) store_bf16(out[m] + j * 16, total[m][j]);
+    for (int j = 0; j < QUARTERS; ++j) {
+      cpu_simd::store_bf16x16(out[m] + j * 16, cpu_simd::f32x16(total[m][j]));
+    }
   }
 }
 

@@ -110,6 +110,24 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 
+// 16 float32 lanes -> bfloat16, rounded to nearest even on the bits (c10::BFloat16's rule),
+// NaN kept a quiet NaN.
+inline void store_bf16x16(void* p, f32x16 v) {
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const u32x16 is_nan = (u32x16)(v != v);  // all ones where NaN
+  const u32x16 out = (is_nan & 0x7FC0u) | (~is_nan & rounded);
+  const u16x16 narrow = __builtin_convertvector(out, u16x16);
+  std::memcpy(p, &narrow, sizeof narrow);
+}
+
+// A weight stream's lines requested this far ahead into L1 by the few-row products
+// (cpu_int4_linear.h, packed_bf16_linear): each thread reads its blocks as one contiguous
+// stream, but a layer is short (a 576 x 576 int4 one is 83 KB a thread), and the hardware
+// prefetcher's ramp costs ~5-8% of it from DRAM (1 KB ahead: no gain, 16 KB: a little less).
+constexpr int64_t STREAM_PREFETCH_BYTES = 4096;
+
 inline void from_float(float x, float* dst) { *dst = x; }
 inline void from_float(float x, c10::BFloat16* dst) { *dst = c10::BFloat16(x); }  // RNE
 inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }
