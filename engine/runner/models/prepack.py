@@ -14,12 +14,11 @@ Quantized layers keep their own kernels. A tied LM head (SmolLM2's) gets a packe
 embedding table, since the embedding lookup needs the plain layout: 2 bytes x vocab x hidden
 more memory (57 MB for SmolLM2-135M) for the ~10 % of a decode step the head takes.
 
-With the fused C++ ops (layer_ops.py), a bf16 layer's 1-8 rows (decode, a verify step of up to
-7 drafts) go to a C++
-matrix-vector kernel that reads the same packed bytes, where oneDNN's own call streams them at
-about half the memory's speed (kernels/README.md): same products, summed in another order, so
-within a bf16 rounding of oneDNN rather than bit-identical. `packed_layout_matches` proves the
-layout per shape first; anything else stays on oneDNN.
+With the fused C++ ops (layer_ops.py), a bf16 layer's few rows (up to packed_gemv_max_rows():
+decode, verify steps, batch-64 decode on CPUs without AMX) go to a C++ kernel that reads the
+same packed bytes, faster than oneDNN's own call there (kernels/README.md): same products,
+summed in another order, so within a bf16 rounding of oneDNN rather than bit-identical.
+`packed_layout_matches` proves the layout per shape first; anything else stays on oneDNN.
 """
 
 from __future__ import annotations

@@ -156,10 +156,10 @@ class Int8Linear(QuantLinear):
             from kernels.w8a16_gemm import w8a16_gemm  # imports Triton: only when used
 
             return w8a16_gemm(x, self.qweight, self.scales)
-        if self.cpu_kernels is not None:
+        if self.few_rows is not None:
             # The C++ kernel prefetches the weight rows: 2x aten's bytes/s from DRAM at batch 1
-            # (kernels/cpu_fused_ops.cpp, int8_linear).
-            return self.cpu_kernels.int8_linear(x, self.qweight, self.scales)
+            # (kernels/cpu_fused_ops.cpp, int8_linear; bound by use_cpu_kernels).
+            return self.few_rows(x)
         # aten directly: int8_weight_only_mm's checks on the weight ran once, at load (their
         # ~4 us per call were a tenth of a batch-1 step's matmul time).
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -195,7 +195,6 @@ class Int4Linear(QuantLinear):
         zf = (8 - w.zeros.float()) * w.scales
         scale_and_zero = torch.stack([w.scales.t(), zf.t()], dim=-1)  # [K/G, N, 2]
         self.register_buffer("scale_and_zero", scale_and_zero.to(dtype).contiguous())
-        self.bf16_kernel = False  # kernels/cpu_int4_linear.h for few rows; see use_cpu_kernels
         if self.weight_only_kernel == "cpu" and dequant_min_rows > 0:  # the checks, once
             x = torch.zeros(1, k, dtype=dtype)
             int4_weight_only_mm(x, self.packed, self.scale_and_zero, self.group_size)
@@ -207,9 +206,8 @@ class Int4Linear(QuantLinear):
             if not w4a16_supports(self.out_features, self.group_size):
                 return self.dequant_mm(x)
             return w4a16_gemm(x, self.packed, self.scale_and_zero, self.group_size)
-        if self.bf16_kernel:
-            return self.cpu_kernels.int4_linear(x, self.packed, self.scale_and_zero,
-                                                self.group_size)  # fmt: skip
+        if self.few_rows is not None:  # kernels/cpu_int4_linear.h, bound by use_cpu_kernels
+            return self.few_rows(x)
         # aten directly: int4_weight_only_mm's checks ran once, at load (see Int8Linear).
         return torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scale_and_zero
@@ -219,18 +217,22 @@ class Int4Linear(QuantLinear):
         # The C++ dequantization writes whole 64-row blocks and 16-element vectors of a group.
         return self.out_features % INT4_BLOCK_ROWS == 0 and self.group_size % 16 == 0
 
+    @property
+    def bf16_kernel(self) -> bool:
+        """Whether few rows go to kernels/cpu_int4_linear.h (else aten's kernel or Triton)."""
+        return self.few_rows is not None
+
     def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
         super().use_cpu_kernels(kernels)
         # The C++ few-rows kernel takes bfloat16 on CPUs with AVX512-BF16 and VBMI; float32
         # and float16 models (and other CPUs) keep aten's.
-        self.bf16_kernel = (
+        self.few_rows = None
+        if (
             self.cpu_kernels is not None
             and self.weight_only_kernel == "cpu"
             and self.scale_and_zero.dtype == torch.bfloat16
             and self.cpu_kernels.has_int4_linear()
-        )
-        self.few_rows = None
-        if self.bf16_kernel:
+        ):
             # Nibbles to bfloat16 by bit operations and vdpbf16ps (kernels/cpu_int4_linear.h):
             # ~1.5x aten's kernel at batch 1, which is bound by its float32 arithmetic.
             kernel, packed, params = self.cpu_kernels.int4_linear, self.packed, self.scale_and_zero
