@@ -332,3 +332,34 @@ def test_int4_bf16_decode_runs_the_cpp_kernel(fused, monkeypatch):
         x, layer.packed, layer.group_size, layer.scale_and_zero
     )
     _close(layer(x), aten, torch.bfloat16)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_few_row_steps_call_the_bound_kernels_with_the_module_paths_tokens(fused, quantization):
+    """With the fused ops every bfloat16 layer binds its products' few-row kernels
+    (llama.LayerCalls): steps of few tokens call them without going through the linear
+    modules, and give the tokens the module path gives (same kernels, same arguments)."""
+    if quantization == "int4":
+        _int4_kernel(fused)
+    config = {**COMMON, "dtype": "bfloat16", "quantization": quantization}
+    llm = LLM(fused_ops=True, **config)
+    layers = llm.engine.runner.model.layers
+    assert all(layer.few_row_calls is not None for layer in layers)
+    attn = layers[0].self_attn
+    assert layers[0].few_row_calls.qkv is attn.qkv_proj.few_rows  # the linear's own kernel
+    module_calls = []
+    for module in llm.engine.runner.model.modules():
+        if hasattr(module, "few_rows"):
+            module.register_forward_hook(lambda *args: module_calls.append(1))
+    short = [p[:3] for p in PROMPTS]  # every step (prefills too) within the kernels' rows
+    bound = [o.token_ids for o in llm.generate(short, PARAMS)]
+    # Only the LM head (compute_logits) still goes through its module.
+    assert len(module_calls) <= PARAMS.max_tokens
+    for layer in layers:
+        layer.few_row_calls = None  # the module path, as with many rows
+    module_calls.clear()
+    assert [o.token_ids for o in llm.generate(short, PARAMS)] == bound
+    assert len(module_calls) > 4 * len(layers) * PARAMS.max_tokens
+    # Without the C++ ops there are no few-row kernels to bind: the modules run.
+    torch_layers = LLM(fused_ops=False, **config).engine.runner.model.layers
+    assert all(layer.few_row_calls is None for layer in torch_layers)

@@ -52,7 +52,9 @@ class CpuBackend(TorchBackend):
             from kernels import cpu_attention
 
             self.fallback_reason = cpu_attention.cpu_kernel_status()  # builds once (~30 s)
-            self.kernels = cpu_attention
+            if not self.fallback_reason:
+                # The compiled module: its entry points check every input (ValueError).
+                self.extension = cpu_attention.load_extension()
         if self.fallback_reason:
             log.warning("attention_backend='cpu' runs the torch path: %s", self.fallback_reason)
 
@@ -83,25 +85,25 @@ class CpuBackend(TorchBackend):
         )
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
-        cache = LayerKVCache(*kv_cache)
+        # Called once per layer per step: at batch 1 the kernel is ~10 us, so this wrapper
+        # calls the extension's checked entry points directly (no Python-side wrappers).
+        cache = kv_cache if type(kv_cache) is LayerKVCache else LayerKVCache(*kv_cache)
         self.calculate_kv_scales_(k, v, cache, meta)  # fp8's first batch: before the store
         if not isinstance(meta, CpuAttentionMetadata):  # the fallback's metadata
             return torch_attention(q, k, v, cache, meta, scale)
         if cache.key_scale is None:  # 16/32-bit K/V: one C++ call stores both
-            self.kernels.store_kv_cpu(cache.key, cache.value, k, v, meta.slot_mapping)
+            self.extension.store_kv(cache.key, cache.value, k, v, meta.slot_mapping)
         else:  # quantized on the way in: the torch path's store
             store_kv(cache, k, v, meta.store_index)
         out = torch.empty_like(q)
         if meta.seq_lens.numel() == 0:
             return out
         # Head-major [Hkv, blocks, bs, ...] seen as the kernel's [blocks, bs, Hkv, ...].
-        int8_scales = cache.key_scale is not None and cache.key_scale.dim() == 3
-        k_scale, v_scale = (
-            (s.permute(1, 2, 0) if int8_scales else s)
-            for s in (cache.key_scale, cache.value_scale)
+        k_scale, v_scale = cache.key_scale, cache.value_scale
+        if k_scale is not None and k_scale.dim() == 3:  # int8: per token
+            k_scale, v_scale = k_scale.permute(1, 2, 0), v_scale.permute(1, 2, 0)
+        self.extension.paged_attention(
+            out, q, cache.key.permute(1, 2, 0, 3), cache.value.permute(1, 2, 0, 3),
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, k_scale, v_scale,
         )  # fmt: skip
-        return self.kernels.paged_attention_prefill_cpu(
-            q, cache.key.permute(1, 2, 0, 3), cache.value.permute(1, 2, 0, 3),
-            meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out=out,
-            k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+        return out

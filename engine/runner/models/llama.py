@@ -4,12 +4,15 @@ Tokens of all requests in a step are packed into one flat batch of T tokens; att
 each token's request and context through the step's `AttentionMetadata`, built and consumed by
 the attention backend the model was made with (see engine/runner/attention/base.py). The small
 per-layer ops (RMSNorm with its residual add, RoPE, SiLU-and-mul) go through the model's layer
-ops (layer_ops.py): torch, or fused C++ calls on CPU.
+ops (layer_ops.py): torch, or fused C++ calls on CPU. A layer's four products are its linear
+modules, or, at decode's few rows, their C++ kernels called directly (LayerCalls).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,59 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v and output projections of a layer (the math is LlamaDecoderLayer.forward's)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        # q, k and v share one matmul: fewer kernel launches per layer.
+        self.qkv_proj = nn.Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False)
+
+
+class LlamaMLP(nn.Module):
+    """The gated MLP's projections (the math is LlamaDecoderLayer.forward's)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)  # not frozen: built on every module-path call, 5x cheaper this way
+class LayerCalls:
+    """What a decoder layer's body calls, read as slots instead of through nn.Module's
+    attribute lookup and __call__: at batch 1 a product is 10-40 us of kernel and each Module
+    hop ~0.5-1 us, which over SmolLM2's 30 layers was ~1 ms of a 6 ms int4 token (measured,
+    2-core EPYC). The products are the linear modules themselves (any number of rows) or, from
+    bind_few_row_calls, their few-row kernels with the weights bound."""
+
+    qkv: Product
+    o: Product
+    gate_up: Product
+    down: Product
+    norm1_weight: torch.Tensor
+    norm1_eps: float
+    norm2_weight: torch.Tensor
+    norm2_eps: float
+    max_rows: int  # the calls apply to steps of at most this many tokens
+
+
+def few_row_call(linear: nn.Module) -> tuple[Product, int] | None:
+    """A linear's few-row kernel with its weights bound and the most rows it takes, or None
+    when it has none (torch ops, Triton, a bias): PrepackedLinear's and QuantLinear's."""
+    call = getattr(linear, "few_rows", None)
+    if call is None or getattr(linear, "bias", None) is not None:
+        return None
+    if hasattr(linear, "few_rows_max"):  # PrepackedLinear: rows <= few_rows_max
+        return call, linear.few_rows_max
+    return call, linear.dequant_min_rows - 1  # QuantLinear: rows < dequant_min_rows
+
+
+class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, ops: TorchOps) -> None:
         super().__init__()
         self.attn_backend = attn_backend  # shared by all layers; holds no parameters
@@ -39,48 +95,36 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.scale = arch.head_dim**-0.5
-        qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        # q, k and v share one matmul: fewer kernel launches per layer.
-        self.qkv_proj = nn.Linear(arch.hidden_size, qkv_out, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [T, hidden]
-        rope_tables: object,  # ops.rope_tables(...) of this forward pass
-        kv_cache: LayerKVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        qk = self.ops.rope(qkv, rope_tables, num_qk_heads, self.head_dim)  # q and k in one go
-        # Slices, not Tensor.split: its Python wrapper was ~5% of a batch-1 step's overhead.
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, ops: TorchOps) -> None:
-        super().__init__()
-        self.ops = ops
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend, ops: TorchOps) -> None:
-        super().__init__()
-        self.ops = ops
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, attn_backend, ops)
+        self.self_attn = LlamaAttention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, ops)
+        self.mlp = LlamaMLP(arch)
+        self.few_row_calls: LayerCalls | None = None  # bind_few_row_calls
+
+    def module_calls(self) -> LayerCalls:
+        """The layer's current modules (any rows); looked up on every call, so a replaced
+        linear (quantization, prepacking) is always the one that runs."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        return LayerCalls(
+            attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj,
+            norm1.weight, norm1.eps, norm2.weight, norm2.eps, max_rows=sys.maxsize,
+        )  # fmt: skip
+
+    def bind_few_row_calls(self) -> None:
+        """Bind the few-row kernels of the four products when all have one, for steps with
+        at most as many tokens as all of them take (decode at small batch); else unbind.
+        Call again after replacing a linear."""
+        calls = self.module_calls()
+        linears = (calls.qkv, calls.o, calls.gate_up, calls.down)
+        few = [few_row_call(linear) for linear in linears]
+        if any(f is None for f in few):
+            self.few_row_calls = None
+            return
+        (qkv, a), (o, b), (gate_up, c), (down, d) = few  # type: ignore[misc]
+        self.few_row_calls = replace(
+            calls, qkv=qkv, o=o, gate_up=gate_up, down=down, max_rows=min(a, b, c, d)
+        )
 
     def forward(
         self,
@@ -91,14 +135,26 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it is added)."""
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        calls, ops = self.few_row_calls, self.ops
+        if calls is None or hidden.shape[0] > calls.max_rows:
+            calls = self.module_calls()
         if residual is None:
-            residual, x = hidden, self.ops.rms_norm(hidden, norm1.weight, norm1.eps)
+            residual, x = hidden, ops.rms_norm(hidden, calls.norm1_weight, calls.norm1_eps)
         else:
-            x, residual = self.ops.add_rms_norm(hidden, residual, norm1.weight, norm1.eps)
-        attn = self.self_attn(x, rope_tables, kv_cache, meta)
-        x, residual = self.ops.add_rms_norm(attn, residual, norm2.weight, norm2.eps)
-        return self.mlp(x), residual
+            x, residual = ops.add_rms_norm(hidden, residual, calls.norm1_weight, calls.norm1_eps)
+        # Attention: q, k and v from one product; RoPE on q and k in one go.
+        num_tokens, num_heads, num_kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        num_qk_heads, head_dim = num_heads + num_kv_heads, self.head_dim
+        qkv = calls.qkv(x)
+        qk = ops.rope(qkv, rope_tables, num_qk_heads, head_dim)
+        # Slices, not Tensor.split: its Python wrapper was ~5% of a batch-1 step's overhead.
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        v = qkv[:, num_qk_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, D]
+        # contiguous: a no-op for the backends' outputs, but the C++ products require it.
+        attn = calls.o(out.reshape(num_tokens, num_heads * head_dim).contiguous())
+        x, residual = ops.add_rms_norm(attn, residual, calls.norm2_weight, calls.norm2_eps)
+        return calls.down(ops.silu_mul(calls.gate_up(x))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -138,6 +194,12 @@ class LlamaForCausalLM(nn.Module):
         freqs = torch.outer(positions, rope_inv_freq(self.arch).to(device))
         self.rope_cos = freqs.cos()
         self.rope_sin = freqs.sin()
+
+    def bind_few_row_calls(self) -> None:
+        """Every layer's few-row kernels, bound (LlamaDecoderLayer.bind_few_row_calls): call
+        once the weights are final (after quantization and prepacking)."""
+        for layer in self.layers:
+            layer.bind_few_row_calls()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
