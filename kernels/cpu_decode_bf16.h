@@ -15,8 +15,10 @@
 // - Softmax: online per span of 128 keys (8 blocks of 16), not per block: the span's scores
 //   are kept, so the max is reduced and the accumulators rescaled once per span, and the sum
 //   stays a vector until the end (those per-block reductions were a third of the work).
-// - P.V: each V row is widened once into registers and accumulated into all G heads' float32
-//   accumulators, which stay in registers for the whole sequence (G x D/16 vectors).
+// - P.V: each V row is widened once into registers (a 32-element load splits into its even and
+//   odd dims with a shift and a mask, no shuffle) and accumulated into all G heads' float32
+//   accumulators, which stay in registers for the whole sequence (G x D/16 vectors, in that
+//   even/odd order until the output is written).
 // - The K/V rows 3 blocks ahead are prefetched into L2 while this block is computed
 //   (cpu_simd::prefetch_blocks_ahead says why L2).
 // The softmax scale multiplies the float32 scores (the generic path pre-scales q instead).
@@ -74,11 +76,6 @@ __attribute__((always_inline)) inline __m512 transpose_sum(const __m512* v) {
   return r[0];
 }
 
-inline __m512 widen(const c10::BFloat16* src) {  // 16 bfloat16 -> float32 (shift into place)
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 inline __m512 exp_nonpositive(__m512 x) {
   cpu_simd::f32x16 v;
   std::memcpy(&v, &x, sizeof v);
@@ -107,6 +104,19 @@ inline float key_group_scores(const c10::BFloat16* q, const c10::BFloat16* keys,
   _mm512_storeu_ps(scores, s);
   return _mm512_mask_reduce_max_ps(__mmask16((1u << n) - 1u), s);
 }
+
+// Word indices for the output: cvtne2ps2bf16(odd, even) gives even dims in words 0-15 and odd
+// dims in words 16-31; word 2i takes word i, word 2i + 1 takes word 16 + i.
+struct InterleaveWords {
+  alignas(64) uint16_t words[32];
+  constexpr InterleaveWords() : words{} {
+    for (int i = 0; i < 16; ++i) {
+      words[2 * i] = uint16_t(i);
+      words[2 * i + 1] = uint16_t(16 + i);
+    }
+  }
+};
+inline constexpr InterleaveWords INTERLEAVE_WORDS{};
 
 // Per-thread score scratch (grown on demand; a span's worth).
 inline float* score_scratch(size_t floats) {
@@ -150,6 +160,10 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
   __m512 part[G * TOKENS];  // Q.K partial sums [head][token], 16 lanes each
   alignas(64) float p[G][TOKENS];
   const __m512 scale_v = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-__builtin_inff());
+  // P.V widens a V load of 32 bfloat16 into two float32 vectors without a shuffle: the even
+  // dims shifted into place, the odd ones masked (they already are the top halves).
+  const __m512i odd_mask = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m512i interleave = _mm512_load_si512(INTERLEAVE_WORDS.words);
   for (int span = 0; span < ctx; span += span_keys) {
     const int span_end = ctx - span < span_keys ? ctx : span + span_keys;
     // Pass 1: scores = scale * q.k per 16-key group; keys past ctx are never read (an unowned
@@ -218,7 +232,11 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
         for (int t = 0; t < n; ++t) {
           const c10::BFloat16* row = v_block + (t0 + t) * v_token_stride;
           __m512 v[AV];
-          for (int j = 0; j < AV; ++j) v[j] = widen(row + 16 * j);
+          for (int j = 0; j < QV; ++j) {  // 32 dims a load: even ones, then odd ones
+            const __m512i bits = _mm512_loadu_si512(row + 32 * j);
+            v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+            v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(bits, odd_mask));
+          }
           for (int g = 0; g < G; ++g) {
             const __m512 pt = _mm512_set1_ps(p[g][t]);
             for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_fmadd_ps(pt, v[j], acc[g][j]);
@@ -231,10 +249,13 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
     // sum = 0 only for an empty context (a padding row): write zeros, not NaN.
     const float sum = _mm512_reduce_add_ps(sum_lanes[g]);
     const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
-    for (int j = 0; j < AV; ++j) {
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][j], inv));  // RNE
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * o_head_stride + 16 * j),
-                          (__m256i)o);
+    for (int j = 0; j < QV; ++j) {
+      // acc[2j] holds dims 32j + 0, 2, .., 30 and acc[2j + 1] the odd ones (P.V's order):
+      // vcvtne2ps2bf16 packs the pair, then one word permute puts dims back in order.
+      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[g][2 * j + 1], inv),
+                                                          _mm512_mul_ps(acc[g][2 * j], inv));
+      _mm512_storeu_si512(out + g * o_head_stride + 32 * j,
+                          _mm512_permutexvar_epi16(interleave, packed));
     }
   }
 }
