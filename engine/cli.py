@@ -67,7 +67,8 @@ FLAG_HELP: dict[str, str] = {
         "blocks in place; the torch path, with a warning, without a C++ compiler); torch = "
         "the reference path (gather + batched matmuls)"
     ),
-    "enforce_eager": "turn CUDA graphs off",
+    "enforce_eager": "run the model's modules as written: no CUDA graphs (GPU), no direct "
+    "few-row kernel calls from the decoder layers (CPU)",
     "prepack_weights": "CPU, bfloat16: reorder linear weights for oneDNN once at load instead "
     "of on every matmul (bit-identical outputs); --no-prepack-weights for the before",
     "fused_ops": "CPU: RMSNorm with its residual add, RoPE and SiLU-and-mul as one C++ call "

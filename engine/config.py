@@ -96,7 +96,9 @@ class EngineConfig:
 
     # --- execution ---
     attention_backend: AttentionBackend = "auto"
-    enforce_eager: bool = False  # True turns CUDA graphs off
+    # True: every step runs the model's modules as written: no CUDA graphs (GPU), no direct
+    # few-row kernel calls from the decoder layers (CPU, llama.LayerCalls).
+    enforce_eager: bool = False
     # CPU, 16-bit: linear weights reordered once for oneDNN instead of on every call (same
     # outputs; engine/runner/models/prepack.py). False is the "before" for comparisons.
     prepack_weights: bool = True

@@ -360,6 +360,28 @@ def test_few_row_steps_call_the_bound_kernels_with_the_module_paths_tokens(fused
     module_calls.clear()
     assert [o.token_ids for o in llm.generate(short, PARAMS)] == bound
     assert len(module_calls) > 4 * len(layers) * PARAMS.max_tokens
-    # Without the C++ ops there are no few-row kernels to bind: the modules run.
+    # Without the C++ ops there are no few-row kernels to bind, and enforce_eager (the
+    # "before") leaves them unbound: the modules run, with the same tokens.
     torch_layers = LLM(fused_ops=False, **config).engine.runner.model.layers
     assert all(layer.few_row_calls is None for layer in torch_layers)
+    eager = LLM(fused_ops=True, enforce_eager=True, **config)
+    assert all(layer.few_row_calls is None for layer in eager.engine.runner.model.layers)
+    assert [o.token_ids for o in eager.generate(short, PARAMS)] == bound
+
+
+def test_compare_preset_switches_the_direct_kernel_calls():
+    from engine import EngineConfig
+    from playground.handlers.compare_engine import (
+        EAGER_PRESET,
+        PRESET_DEFAULTS,
+        preset_sides,
+        side_config,
+        side_label,
+    )
+
+    a, b = preset_sides(EAGER_PRESET)
+    base = EngineConfig(model="random:tiny", dtype="bfloat16", enforce_eager=True)
+    assert side_config(base, a, 1024, 256, head_dim=64).enforce_eager is True
+    assert side_config(base, b, 1024, 256, head_dim=64).enforce_eager is False
+    assert side_label("B", b, a) == "B: enforce_eager=False"
+    assert PRESET_DEFAULTS[EAGER_PRESET].headline == "Mean TPOT (ms)"

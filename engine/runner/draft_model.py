@@ -121,7 +121,8 @@ class DraftModel:
         if config.prepack_weights and can_prepack(backend.device, backend.dtype):
             # Its 16-bit linears, as the target's (prepack.py).
             prepack_linears(self.model, ops.kernels)
-        self.model.bind_few_row_calls()  # the weights are final
+        if not config.enforce_eager:  # the weights are final (as the target's)
+            self.model.bind_few_row_calls()
         self.kv_caches: list = []  # allocate() fills it once the pool is sized
         # The last propose()'s forward passes, for the cost model: per pass (new tokens per
         # row, context per row after the pass, rows through the LM head).

@@ -94,7 +94,8 @@ class ModelRunner:
         self.num_prepacked_linears = 0
         if config.prepack_weights and can_prepack(self.device, self.dtype):
             self.num_prepacked_linears = prepack_linears(self.model, self.layer_ops.kernels)
-        self.model.bind_few_row_calls()  # the weights are final: decode calls the kernels
+        if not config.enforce_eager:  # the weights are final: decode calls the kernels
+            self.model.bind_few_row_calls()
         # speculative_method="draft": the second model, its KV counted in the pool's budget.
         self.drafter: DraftModel | None = None
         if config.speculative_method == "draft":

@@ -39,6 +39,7 @@ SIDE_FIELDS = (
     "quantization",
     "prepack_weights",
     "fused_ops",
+    "enforce_eager",
 )
 BLOCK_SIZES = (8, 16, 32, 64)
 DEFAULT_SIDE: dict[str, Any] = {
@@ -54,9 +55,11 @@ DEFAULT_SIDE: dict[str, Any] = {
     "quantization": "none",
     "prepack_weights": True,
     "fused_ops": True,
+    "enforce_eager": False,
 }
 PREPACK_PRESET = "bf16 weights reordered per matmul vs prepacked"
 FUSED_OPS_PRESET = "norm/RoPE/SiLU as torch ops vs fused C++ ops"
+EAGER_PRESET = "products through nn.Module vs direct kernel calls (enforce_eager)"
 KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
 N_SHARING_PRESET = "n=4 with vs without prompt sharing"
 AWQ_PRESET = "int4 RTN vs AWQ weights (after bf16 vs int4)"
@@ -114,6 +117,13 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     FUSED_OPS_PRESET: (
         {"fused_ops": False, "max_num_seqs": 1},
         {"fused_ops": True, "max_num_seqs": 1},
+    ),
+    # CPU: at batch 1 each of a layer's four products is 10-40 us of kernel, and reaching it
+    # through nn.Module dispatch cost ~1 ms of a 6 ms int4 token (README, batch-1 latency);
+    # on a GPU the same switch turns CUDA graphs off.
+    EAGER_PRESET: (
+        {"enforce_eager": True, "max_num_seqs": 1},
+        {"enforce_eager": False, "max_num_seqs": 1},
     ),
     KV_QUANT_PRESET: ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "int8"}),
     # 16 slots: the 4 prompts' 4 samples all run at once on both sides.
@@ -255,6 +265,9 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # but sum in another order (and keep RoPE's tables in float32), so "Same tokens as A" can
     # show a near-tie flipped; in float32 the engine's tokens are identical (tested).
     FUSED_OPS_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    # The same workload; the same kernels with the same arguments on both sides, so "Same
+    # tokens as A" holds (tested) and TPOT shows only the dispatch.
+    EAGER_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     # Long contexts: 8 requests of 224 + 32 tokens need 128 blocks of 16. The 1152-token
     # budget is 72 blocks in bfloat16 (4 requests at a time: the rest wait or are preempted)
     # and 139 in int8 (1 byte + a 2-byte scale per 64 values: 1.94x), so all 8 run at once.
@@ -378,6 +391,7 @@ def side_config(
         enable_prompt_sharing=bool(side.get("enable_prompt_sharing", True)),
         prepack_weights=bool(side.get("prepack_weights", True)),
         fused_ops=bool(side.get("fused_ops", True)),
+        enforce_eager=bool(side.get("enforce_eager", False)),
         speculative_method=method,
         speculative_quantization=COMPARE_DRAFT_QUANTIZATION
         if method == "draft"

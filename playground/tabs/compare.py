@@ -111,6 +111,11 @@ def _side_form(name: str, values: dict) -> dict:
         value=values["fused_ops"],
         label="Fused ops (CPU: RMSNorm + residual add, RoPE, SiLU-and-mul as one C++ call each)",
     )
+    parts["enforce_eager"] = gr.Checkbox(
+        value=values["enforce_eager"],
+        label="Eager: every product through its nn.Module (CPU: no direct kernel calls at "
+        "decode's few rows; GPU: no CUDA graphs)",
+    )
     return {f: parts[f] for f in SIDE_FIELDS}
 
 
