@@ -90,7 +90,8 @@ def dequant_int4(
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (qweight (int8 [N, K], K % 16 == 0) * scales [N, None]).T, in x's dtype
-    (scales in x's dtype too): W8A16 for decode's few rows, float32 accumulation."""
+    (scales in x's dtype too): W8A16, float32 accumulation. Decode's few rows; with
+    has_int8_rows_linear(), bfloat16 x, N % 64 == 0 and K % 32 == 0, also many rows."""
     return load_extension().int8_linear(x, qweight, scales)
 
 
@@ -103,6 +104,12 @@ def int4_linear(
     """x @ W.T for decode's few rows with W int4 (cpu_int4_linear.h; CPUs with AVX512-BF16
     and VBMI: has_int4_linear()), float32 accumulation, bfloat16 out."""
     return load_extension().int4_linear(x, packed, scale_and_zero, group_size)
+
+
+def has_int8_rows_linear() -> bool:
+    """Whether int8_linear takes many bfloat16 rows here (cpu_int8_rows.h, AVX512-BF16): from 4
+    rows it converts each 64-row block to bfloat16 pairs once and multiplies with vdpbf16ps."""
+    return load_extension().has_int8_rows_linear()
 
 
 def has_int4_linear() -> bool:

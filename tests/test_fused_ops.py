@@ -226,6 +226,54 @@ def test_int8_linear_matches_the_dequantized_matmul(fused, dtype, rows, n):
     _close(cpu_fused_ops.int8_linear(x, q, s), ref, dtype)
 
 
+@pytest.mark.parametrize("rows", [3, 4, 5, 17, 64])  # across the switch to cpu_int8_rows.h at 4
+@pytest.mark.parametrize(("n", "k"), [(128, 96), (192, 576)])
+def test_int8_linear_takes_many_bf16_rows(fused, rows, n, k):
+    """bfloat16 x with whole 64-row blocks: from 4 rows the block-pairs kernel
+    (cpu_int8_rows.h), below it the few-row one; both against x @ (q * s).T in float32."""
+    if not cpu_fused_ops.has_int8_rows_linear():
+        pytest.skip("cpu_int8_rows.h needs AVX512-BF16 (the few-row kernel takes every row)")
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    q[0, :] = -127  # the extremes convert exactly too
+    q[1, :] = 127
+    s = (torch.rand(n, generator=gen) * 0.02 + 0.001).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    ref = (x.float() @ (q.float() * s.float()[:, None]).T).bfloat16()
+    _close(cpu_fused_ops.int8_linear(x, q, s), ref, torch.bfloat16)
+
+
+def test_int8_bf16_layers_take_a_batch_64_step_with_the_kernel(fused, monkeypatch):
+    """With the block-pairs kernel, bfloat16 int8 layers multiply up to 64 rows with
+    int8_linear instead of dequantizing into a scratch for oneDNN (AMX CPUs keep 32)."""
+    if not cpu_fused_ops.has_int8_rows_linear():
+        pytest.skip("cpu_int8_rows.h needs AVX512-BF16")
+    from engine.runner.models.prepack import cpu_has_amx
+    from engine.runner.quant.apply import (
+        CPU_FUSED_DEQUANT_MIN_ROWS,
+        CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS,
+    )
+    from engine.runner.quant.linear import Int8Linear
+
+    calls = []
+    kernel = cpu_fused_ops.int8_linear
+
+    def counting(x, qweight, scales):
+        calls.append(x.shape[0])
+        return kernel(x, qweight, scales)
+
+    monkeypatch.setattr(cpu_fused_ops, "int8_linear", counting)
+    llm = LLM(quantization="int8", fused_ops=True, **{**COMMON, "dtype": "bfloat16"})
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int8Linear)]
+    expected = CPU_FUSED_DEQUANT_MIN_ROWS if cpu_has_amx() else CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS
+    assert all(m.rows_kernel and m.dequant_min_rows == expected for m in layers)
+    out = llm.generate(PROMPTS, PARAMS)  # prefill chunks of up to 32 tokens, then 4-row decodes
+    assert all(len(o.token_ids) == PARAMS.max_tokens for o in out)
+    assert 1 in calls and 4 in calls
+    if not cpu_has_amx():
+        assert max(calls) >= CPU_FUSED_DEQUANT_MIN_ROWS  # a 32-token chunk: no dequantize
+
+
 def test_int8_linear_rejects_mismatched_inputs(fused):
     x, q, s = torch.randn(2, 32), torch.zeros(8, 32, dtype=torch.int8), torch.ones(8)
     with pytest.raises(ValueError, match="qweight"):

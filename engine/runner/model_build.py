@@ -17,9 +17,13 @@ from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.models.prepack import cpu_has_amx
 from engine.runner.quant import QuantSummary, load_awq, quantize_model
-from engine.runner.quant.apply import CPU_FUSED_DEQUANT_MIN_ROWS, CPU_INT4_KERNEL_DEQUANT_MIN_ROWS
+from engine.runner.quant.apply import (
+    CPU_FUSED_DEQUANT_MIN_ROWS,
+    CPU_INT4_KERNEL_DEQUANT_MIN_ROWS,
+    CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS,
+)
 from engine.runner.quant.awq import check_awq_config
-from engine.runner.quant.linear import Int4Linear, QuantLinear
+from engine.runner.quant.linear import Int4Linear, Int8Linear, QuantLinear
 
 
 @dataclass(frozen=True)
@@ -80,13 +84,17 @@ def _share_cpu_kernels(model: LlamaForCausalLM, ops: TorchOps, summary: QuantSum
         return summary
     # 0 stays 0: no weight-only kernel here (aten's int4 layout differs), always dequantize.
     rows = CPU_FUSED_DEQUANT_MIN_ROWS if summary.dequant_min_rows else 0
-    int4_kernel_rows = CPU_INT4_KERNEL_DEQUANT_MIN_ROWS if rows and not cpu_has_amx() else rows
+    many = rows and not cpu_has_amx()  # the kernels that take a batch-64 step (not on AMX)
+    int4_kernel_rows = CPU_INT4_KERNEL_DEQUANT_MIN_ROWS if many else rows
+    int8_kernel_rows = CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS if many else rows
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.use_cpu_kernels(ops.kernels)
             module.dequant_min_rows = rows
             if isinstance(module, Int4Linear) and module.bf16_kernel:
                 module.dequant_min_rows = int4_kernel_rows
+            if isinstance(module, Int8Linear) and module.rows_kernel:
+                module.dequant_min_rows = int8_kernel_rows
     # The summary reports the decoder layers' switch (the first quantized layer's).
     first = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
     return replace(summary, dequant_min_rows=first.dequant_min_rows if first else rows)

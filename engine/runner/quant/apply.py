@@ -47,6 +47,12 @@ CPU_FUSED_DEQUANT_MIN_ROWS = 32
 # (bf16 23.7), where dequantize + GEMM had made batch-64 decode 0.51x bf16 (benchmarks.quant).
 # With AMX the 16-bit GEMM is several times faster on many rows (not measured): 32 stays there.
 CPU_INT4_KERNEL_DEQUANT_MIN_ROWS = 65
+# int8 layers whose int8_linear takes many bfloat16 rows (kernels/cpu_int8_rows.h: AVX512-BF16,
+# no AMX): 64-row blocks converted to bf16 pairs once per call, then vdpbf16ps like the int4
+# kernel. Measured over SmolLM2's layers at 64 rows on the 2-core EPYC, cached weights, one run:
+# 35.8 ms against 31.8 for the prepacked bf16 kernel and ~48 for dequantize + oneDNN (whose
+# time also doubled in some processes, README, quantization).
+CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS = 65
 # CUDA: the Triton weight-only kernels (kernels/w4a16_gemm.py, w8a16_gemm.py) below this many
 # rows, dequantize + cuBLAS above: vLLM's AWQ path switches at 256 tokens. Not yet measured with
 # our kernels (no GPU was lent while they were written); scripts/gpu_check.py times both paths.

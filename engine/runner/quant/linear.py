@@ -174,6 +174,18 @@ class Int8Linear(QuantLinear):
             kernel, qweight, scales = self.cpu_kernels.int8_linear, self.qweight, self.scales
             self.few_rows = lambda x: kernel(x, qweight, scales)
 
+    @property
+    def rows_kernel(self) -> bool:
+        """Whether the few-rows kernel also takes many rows (kernels/cpu_int8_rows.h: bfloat16
+        on AVX512-BF16 CPUs, whole 64-row blocks and 32-input steps)."""
+        return (
+            self.few_rows is not None
+            and self.scales.dtype == torch.bfloat16
+            and self.out_features % 64 == 0
+            and self.in_features % 32 == 0
+            and self.cpu_kernels.has_int8_rows_linear()
+        )
+
     def dequantize_rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:
             self.cpu_kernels.dequant_int8(out, self.qweight[start:end], self.scales[start:end])

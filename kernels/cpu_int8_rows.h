@@ -1,0 +1,149 @@
+// W8A16 products for many rows (a batch-64 decode step, a verify step), bfloat16 activations,
+// on CPUs with AVX512-BF16. Included by cpu_fused_ops.cpp; the few-row kernel there (int8_linear)
+// keeps decode's 1-4 rows, and float32/float16 models keep dequantize + GEMM.
+//
+// Why: with many rows the product is bound by arithmetic, where vdpbf16ps does two multiply-adds
+// per float32 lane to an FMA's one, and the int8 path dequantized each layer into a 16-bit
+// scratch for oneDNN's GEMM on every call (which also reordered it for its own layout). Here
+// each thread takes whole blocks of 64 output rows: a block's weights become bfloat16 pairs
+// once, in a block-sized buffer that stays in L2, and every 4 x rows are multiplied with them:
+//
+//   pairs[p][quarter] lane i = (q(16 quarter + i, 2p), q(16 quarter + i, 2p + 1)) as bfloat16
+//
+// exactly (|q| <= 127 has 7 significant bits); the per-row scale multiplies the float32 sum once:
+// out(m, n) = s(n) * sum_k x(m, k) q(n, k).
+#pragma once
+
+#if defined(__AVX512BF16__)
+#define CPU_INT8_ROWS 1
+#include <immintrin.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include "cpu_simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace cpu_int8_rows {
+
+constexpr int BLOCK_ROWS = 64;
+constexpr int QUARTERS = 4;   // 16-row vectors per block
+constexpr int TILE_M = 4;     // x rows per pass over a block's pairs
+constexpr int K_STEP = 32;    // inputs converted per row at a time (16 pairs)
+
+// 16 vectors of 16 32-bit lanes transposed in registers: r[i][c] -> r[c][i]. Two interleaving
+// stages within 128-bit lanes, then two 128-bit lane shuffles (64 shuffles for 256 lanes).
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int m = 0; m < 8; ++m) {
+    t[2 * m] = _mm512_unpacklo_epi32(r[2 * m], r[2 * m + 1]);
+    t[2 * m + 1] = _mm512_unpackhi_epi32(r[2 * m], r[2 * m + 1]);
+  }
+  // u[4n + d], 128-bit lane L: column 4L + d of rows 4n .. 4n + 3.
+  for (int n = 0; n < 4; ++n) {
+    u[4 * n] = _mm512_unpacklo_epi64(t[4 * n], t[4 * n + 2]);
+    u[4 * n + 1] = _mm512_unpackhi_epi64(t[4 * n], t[4 * n + 2]);
+    u[4 * n + 2] = _mm512_unpacklo_epi64(t[4 * n + 1], t[4 * n + 3]);
+    u[4 * n + 3] = _mm512_unpackhi_epi64(t[4 * n + 1], t[4 * n + 3]);
+  }
+  // Column 4L + d gathers lane L of u[d], u[4 + d], u[8 + d], u[12 + d].
+  for (int d = 0; d < 4; ++d) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0x88);  // lanes 0, 2
+    const __m512i v1 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0xDD);  // lanes 1, 3
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0xDD);
+    r[d] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[8 + d] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[4 + d] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + d] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+// A 64-row block of row-major int8 weights [64, K] -> pairs[(p * QUARTERS + quarter) * 16 +
+// lane], K % 32 == 0. Per 16 rows and 32 inputs: each row's 16 pairs become one vector
+// (int8 -> int32 -> float32 -> bfloat16, all exact), and a transpose turns the 16 row vectors
+// into the 16 pair vectors.
+inline void build_pairs(const int8_t* block, int64_t K, uint32_t* pairs) {
+  for (int quarter = 0; quarter < QUARTERS; ++quarter) {
+    const int8_t* rows = block + int64_t(quarter) * 16 * K;
+    for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int8_t* src = rows + i * K + k0;
+        const __m512 lo = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+        const __m512 hi = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+        r[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      }
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) {
+        _mm512_store_si512(pairs + ((k0 / 2 + c) * QUARTERS + quarter) * 16, r[c]);
+      }
+    }
+  }
+}
+
+// out[m][0..63] for MR x rows over one block's pairs.
+template <int MR>
+inline void block_tile(const uint32_t* pairs, int64_t K, const uint32_t* const* x_pairs,
+                       const float* scales, c10::BFloat16* const* out) {
+  __m512 acc[MR][QUARTERS];
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < QUARTERS; ++j) acc[m][j] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < K / 2; ++p) {
+    __m512bh w[QUARTERS];
+    for (int j = 0; j < QUARTERS; ++j) {
+      w[j] = (__m512bh)_mm512_load_si512(pairs + (p * QUARTERS + j) * 16);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(x_pairs[m][p]));
+      for (int j = 0; j < QUARTERS; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], w[j], xb);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < QUARTERS; ++j) {
+      const __m512 y = _mm512_mul_ps(acc[m][j], _mm512_loadu_ps(scales + j * 16));
+      cpu_simd::store_bf16x16(out[m] + j * 16, cpu_simd::f32x16(y));
+    }
+  }
+}
+
+// out [M, N] = x [M, K] @ (q [N, K] * s [N, None]).T; N % 64 == 0, K % 32 == 0, bfloat16 x,
+// scales and out.
+inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                   const int8_t* q, const c10::BFloat16* scales, int64_t N) {
+  at::parallel_for(0, N / BLOCK_ROWS, 1, [&](int64_t begin, int64_t end) {
+    // One block's pairs: K/2 x 64 lanes x 4 bytes (196 KB at K = 1536), reused for all rows.
+    std::vector<__m512i> buffer(size_t(K / 2 * QUARTERS));
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(buffer.data());
+    alignas(64) float block_scales[BLOCK_ROWS];
+    for (int64_t b = begin; b < end; ++b) {
+      build_pairs(q + b * BLOCK_ROWS * K, K, pairs);
+      for (int r = 0; r < BLOCK_ROWS; ++r) block_scales[r] = float(scales[b * BLOCK_ROWS + r]);
+      for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
+        const int mr = int(std::min<int64_t>(TILE_M, M - m0));
+        const uint32_t* x_pairs[TILE_M];
+        c10::BFloat16* o[TILE_M];
+        for (int i = 0; i < mr; ++i) {
+          x_pairs[i] = reinterpret_cast<const uint32_t*>(x + (m0 + i) * K);
+          o[i] = out + (m0 + i) * N + b * BLOCK_ROWS;
+        }
+        switch (mr) {
+          case 4: block_tile<4>(pairs, K, x_pairs, block_scales, o); break;
+          case 3: block_tile<3>(pairs, K, x_pairs, block_scales, o); break;
+          case 2: block_tile<2>(pairs, K, x_pairs, block_scales, o); break;
+          default: block_tile<1>(pairs, K, x_pairs, block_scales, o); break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace cpu_int8_rows
+#endif  // __AVX512BF16__
