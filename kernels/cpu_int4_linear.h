@@ -217,19 +217,13 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
       const uint8_t* block = packed + b * BLOCK_ROWS * K / 2;
       const uint32_t* block_sz = sz + b * BLOCK_ROWS;
       for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-        const int mr = int(std::min<int64_t>(TILE_M, M - m0));
-        const uint32_t* x_pairs[TILE_M];
-        c10::BFloat16* o[TILE_M];
-        for (int i = 0; i < mr; ++i) {
-          x_pairs[i] = reinterpret_cast<const uint32_t*>(x + (m0 + i) * K);
-          o[i] = out + (m0 + i) * N + b * BLOCK_ROWS;
-        }
+        const cpu_simd::PairTile<TILE_M> t(x, K, M, m0, out, N, b * BLOCK_ROWS);
         const float* tile_sums = sums.data() + m0 * groups;
         const Pairs source = M <= TILE_M ? Pairs::BUILD
                              : m0 == 0   ? Pairs::BUILD_AND_KEEP
                                          : Pairs::REUSE;
-        tile(source, mr, block, block_sz, N, group_size, x_pairs, tile_sums, groups, kept.data(),
-             o);
+        tile(source, t.rows, block, block_sz, N, group_size, t.x_pairs, tile_sums, groups,
+             kept.data(), t.out);
       }
     }
   });

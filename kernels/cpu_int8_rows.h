@@ -127,18 +127,12 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
       build_pairs(q + b * BLOCK_ROWS * K, K, pairs);
       for (int r = 0; r < BLOCK_ROWS; ++r) block_scales[r] = float(scales[b * BLOCK_ROWS + r]);
       for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-        const int mr = int(std::min<int64_t>(TILE_M, M - m0));
-        const uint32_t* x_pairs[TILE_M];
-        c10::BFloat16* o[TILE_M];
-        for (int i = 0; i < mr; ++i) {
-          x_pairs[i] = reinterpret_cast<const uint32_t*>(x + (m0 + i) * K);
-          o[i] = out + (m0 + i) * N + b * BLOCK_ROWS;
-        }
-        switch (mr) {
-          case 4: block_tile<4>(pairs, K, x_pairs, block_scales, o); break;
-          case 3: block_tile<3>(pairs, K, x_pairs, block_scales, o); break;
-          case 2: block_tile<2>(pairs, K, x_pairs, block_scales, o); break;
-          default: block_tile<1>(pairs, K, x_pairs, block_scales, o); break;
+        const cpu_simd::PairTile<TILE_M> t(x, K, M, m0, out, N, b * BLOCK_ROWS);
+        switch (t.rows) {
+          case 4: block_tile<4>(pairs, K, t.x_pairs, block_scales, t.out); break;
+          case 3: block_tile<3>(pairs, K, t.x_pairs, block_scales, t.out); break;
+          case 2: block_tile<2>(pairs, K, t.x_pairs, block_scales, t.out); break;
+          default: block_tile<1>(pairs, K, t.x_pairs, block_scales, t.out); break;
         }
       }
     }

@@ -128,6 +128,25 @@ inline void store_bf16x16(void* p, f32x16 v) {
 // prefetcher's ramp costs ~5-8% of it from DRAM (1 KB ahead: no gain, 16 KB: a little less).
 constexpr int64_t STREAM_PREFETCH_BYTES = 4096;
 
+// A tile of up to TILE bfloat16 x rows (starting at row m0 of M) over one output block starting
+// at column n0: each x row seen as (x(k), x(k + 1)) pairs in 32-bit units, the operand
+// vdpbf16ps broadcasts, and where the row's outputs go. For the bf16-pair kernels
+// (cpu_int4_linear.h, cpu_int8_rows.h).
+template <int TILE>
+struct PairTile {
+  int rows = 0;
+  const uint32_t* x_pairs[TILE];
+  c10::BFloat16* out[TILE];
+  PairTile(const c10::BFloat16* x, int64_t K, int64_t M, int64_t m0, c10::BFloat16* y, int64_t N,
+           int64_t n0) {
+    rows = int(M - m0 < TILE ? M - m0 : TILE);
+    for (int i = 0; i < rows; ++i) {
+      x_pairs[i] = reinterpret_cast<const uint32_t*>(x + (m0 + i) * K);
+      out[i] = y + (m0 + i) * N + n0;
+    }
+  }
+};
+
 inline void from_float(float x, float* dst) { *dst = x; }
 inline void from_float(float x, c10::BFloat16* dst) { *dst = c10::BFloat16(x); }  // RNE
 inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }

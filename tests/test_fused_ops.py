@@ -103,6 +103,21 @@ def test_bad_inputs_raise_value_errors_naming_the_argument(fused):
 
 
 # --- in the engine ---
+
+
+def _count_rows(monkeypatch, name: str) -> list[int]:
+    """Wrap cpu_fused_ops.<name> (a product taking x first) to record each call's rows."""
+    calls: list[int] = []
+    kernel = getattr(cpu_fused_ops, name)
+
+    def counting(x, *args):
+        calls.append(x.shape[0])
+        return kernel(x, *args)
+
+    monkeypatch.setattr(cpu_fused_ops, name, counting)
+    return calls
+
+
 PROMPTS = [[(5 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate([6, 23, 3, 40])]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 COMMON = dict(
@@ -142,14 +157,7 @@ def test_quantized_layers_dequantize_in_one_pass_with_the_fused_ops(fused, quant
 def test_int8_decode_runs_the_cpp_kernel_with_the_same_tokens(fused, monkeypatch):
     """With the fused ops, int8 layers' few-row calls go to cpu_fused_ops.int8_linear (not
     aten's kernel), and greedy float32 tokens are those of the torch path."""
-    calls = []
-    kernel = cpu_fused_ops.int8_linear
-
-    def counting(x, qweight, scales):
-        calls.append(x.shape[0])
-        return kernel(x, qweight, scales)
-
-    monkeypatch.setattr(cpu_fused_ops, "int8_linear", counting)
+    calls = _count_rows(monkeypatch, "int8_linear")
     results = {}
     for on in (False, True):
         llm = LLM(quantization="int8", fused_ops=on, **COMMON)
@@ -255,17 +263,12 @@ def test_int8_bf16_layers_take_a_batch_64_step_with_the_kernel(fused, monkeypatc
     )
     from engine.runner.quant.linear import Int8Linear
 
-    calls = []
-    kernel = cpu_fused_ops.int8_linear
-
-    def counting(x, qweight, scales):
-        calls.append(x.shape[0])
-        return kernel(x, qweight, scales)
-
-    monkeypatch.setattr(cpu_fused_ops, "int8_linear", counting)
+    calls = _count_rows(monkeypatch, "int8_linear")
     llm = LLM(quantization="int8", fused_ops=True, **{**COMMON, "dtype": "bfloat16"})
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int8Linear)]
-    expected = CPU_FUSED_DEQUANT_MIN_ROWS if cpu_has_amx() else CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS
+    expected = (
+        CPU_FUSED_DEQUANT_MIN_ROWS if cpu_has_amx() else CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS
+    )
     assert all(m.rows_kernel and m.dequant_min_rows == expected for m in layers)
     out = llm.generate(PROMPTS, PARAMS)  # prefill chunks of up to 32 tokens, then 4-row decodes
     assert all(len(o.token_ids) == PARAMS.max_tokens for o in out)
@@ -351,14 +354,7 @@ def test_int4_bf16_decode_runs_the_cpp_kernel(fused, monkeypatch):
     _int4_kernel(fused)
     from engine.runner.quant.linear import Int4Linear
 
-    calls = []
-    kernel = cpu_fused_ops.int4_linear
-
-    def counting(x, packed, scale_and_zero, group_size):
-        calls.append(x.shape[0])
-        return kernel(x, packed, scale_and_zero, group_size)
-
-    monkeypatch.setattr(cpu_fused_ops, "int4_linear", counting)
+    calls = _count_rows(monkeypatch, "int4_linear")
     llm = LLM(quantization="int4", fused_ops=True, **{**COMMON, "dtype": "bfloat16"})
     out = llm.generate(PROMPTS, PARAMS)
     assert all(len(o.token_ids) == PARAMS.max_tokens for o in out)
