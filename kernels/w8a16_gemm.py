@@ -15,13 +15,11 @@ import triton
 import triton.language as tl
 
 from kernels.w4a16_gemm import plan_split_k
-
-BLOCK_M = 16
-BLOCK_N = 64
-BLOCK_K = 64
+from kernels.weight_only_launch import BLOCK_M, WeightOnlyLaunch, weight_only_launch
 
 
-@triton.jit
+# M is not specialized: decode steps of 1 row and of many share one compiled kernel.
+@triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(
     x_ptr,  # [M, K], row-major
     q_ptr,  # int8 [N, K], row-major
@@ -52,7 +50,7 @@ def _w8a16_kernel(
             mask=(cols_n[None, :] < N) & (ks[:, None] < K),
             other=0,
         )
-        acc += tl.dot(x, q.to(x.dtype))
+        acc += tl.dot(x, q.to(x.dtype), input_precision="ieee")  # float32 x: no TF32
     acc *= tl.load(s_ptr + cols_n, mask=cols_n < N, other=0.0).to(tl.float32)[None, :]
     y_offsets = rows_m[:, None].to(tl.int64) * N + cols_n[None, :]
     mask = (rows_m[:, None] < M) & (cols_n[None, :] < N)
@@ -63,11 +61,15 @@ def _w8a16_kernel(
 
 
 def w8a16_gemm(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, split_k: int | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    split_k: int | None = None,
+    launch: WeightOnlyLaunch | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ int8 weight [N, K] with per-row scales [N] -> [M, N] in x's dtype (the CPU
     kernel's signature: kernels/weight_only_cpu.int8_weight_only_mm). split_k: None = from the
-    GPU's SM count (1 on CPU, the interpreter)."""
+    GPU's SM count (1 on CPU, the interpreter). launch: None = weight_only_launch("w8a16")."""
     assert x.dim() == 2 and x.is_contiguous(), f"x must be contiguous [M, K], got {tuple(x.shape)}"
     m, k = x.shape
     assert qweight.dtype == torch.int8 and qweight.dim() == 2 and qweight.is_contiguous(), (
@@ -77,11 +79,14 @@ def w8a16_gemm(
     assert qweight.shape[1] == k, f"K differs: x {k}, qweight {qweight.shape[1]}"
     assert scales.shape == (n,), f"scales must be [N], got {tuple(scales.shape)}"
     assert qweight.device == x.device == scales.device
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    split_k, k_per_split, y = plan_split_k(x, n, tiles, BLOCK_K, split_k)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), split_k)
+    if launch is None:
+        launch = weight_only_launch("w8a16", m, n, k)
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, launch.block_n)
+    split_k, k_per_split, y = plan_split_k(x, n, tiles, launch.block_k, split_k)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, launch.block_n), split_k)
     _w8a16_kernel[grid](
         x, qweight, scales, y, m, n, k, k_per_split,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=split_k,
+        BLOCK_M=BLOCK_M, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, SPLIT_K=split_k,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return y if split_k == 1 else y.to(x.dtype)

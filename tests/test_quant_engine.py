@@ -124,11 +124,14 @@ def test_a_cpu_with_another_int4_layout_always_dequantizes(monkeypatch, make_llm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_cuda_greedy_output_equals_plain_torch_with_dequantized_weights(method):
-    """On CUDA every quantized call dequantizes (no weight-only kernel there yet), under CUDA
-    graphs for the decode steps; the tokens must be those of the same weights in float32."""
+    """On CUDA quantized calls below CUDA_DEQUANT_MIN_ROWS rows take the Triton weight-only
+    kernels (float32 here: no TF32), decode steps under CUDA graphs; the tokens must be those
+    of the same weights in float32."""
+    from engine.runner.quant.apply import CUDA_DEQUANT_MIN_ROWS
+
     cuda = {"device": "cuda", "max_num_seqs": 8}
     quantized = LLM(**TINY, **cuda, quantization=method, quantization_group_size=32)
-    assert quantized.engine.runner.quant_summary.dequant_min_rows == 0
+    assert quantized.engine.runner.quant_summary.dequant_min_rows == CUDA_DEQUANT_MIN_ROWS
     twin = _plain_torch_twin(quantized, **cuda)
     prompts = [[(7 * i + j) % 49152 for j in range(3 + 9 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

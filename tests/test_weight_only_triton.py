@@ -15,6 +15,7 @@ from engine.runner.quant.linear import DequantScratch, Int4Linear, Int8Linear
 from kernels.w4a16_gemm import split_k_for, w4a16_gemm
 from kernels.w8a16_gemm import w8a16_gemm
 from kernels.weight_only_cpu import int4_weight_only_mm_ref, int8_weight_only_mm_ref
+from kernels.weight_only_launch import WeightOnlyLaunch, launch_candidates, weight_only_launch
 
 RTOL_OF_MAX = {torch.float32: 1e-4, torch.float16: 1e-2}
 
@@ -54,6 +55,49 @@ def test_w4a16_split_k_matches_reference(split_k):
     assert_close(w4a16_gemm(x, *args, split_k=split_k), ref, torch.float16)
 
 
+@pytest.mark.parametrize(
+    "launch",
+    [WeightOnlyLaunch(128, 64, 8, 4), WeightOnlyLaunch(256, 32, 4, 3)],
+    ids=str,
+)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_w4a16_wide_tiles_match_reference(launch, split_k):
+    """Tiles of several packed blocks (N = 192: the last 128- or 256-row tile is partly past N,
+    masked) and K tiles of 32 or 64 inside a 64-input group."""
+    gen = torch.Generator().manual_seed(launch.block_n + split_k)
+    layer = Int4Linear(quantize_int4(torch.randn(192, 256, generator=gen), 64), None,
+                       torch.float16, DequantScratch(1, torch.float16, "cpu"), 0)  # fmt: skip
+    x = torch.randn(3, 256, generator=gen).to(torch.float16)
+    args = (layer.packed, layer.scale_and_zero, 64)
+    y = w4a16_gemm(x, *args, split_k=split_k, launch=launch)
+    assert_close(y, int4_weight_only_mm_ref(x, *args), torch.float16)
+
+
+def test_w4a16_refuses_a_k_tile_that_straddles_groups():
+    layer = Int4Linear(quantize_int4(torch.randn(64, 128), 32), None, torch.float32,
+                       DequantScratch(1, torch.float32, "cpu"), 0)  # fmt: skip
+    with pytest.raises(AssertionError, match="BLOCK_K divide group 32"):
+        w4a16_gemm(torch.randn(1, 128), layer.packed, layer.scale_and_zero, 32,
+                   launch=WeightOnlyLaunch(64, 64, 4, 3))  # fmt: skip
+
+
+def test_launch_candidates_respect_the_group():
+    assert {c.block_k for c in launch_candidates("w4a16", 64)} == {32, 64}
+    assert {c.block_k for c in launch_candidates("w4a16", 128)} == {32, 64, 128}
+    assert {c.block_k for c in launch_candidates("w8a16")} == {64, 128, 256}
+
+
+def test_launch_picks_follow_size_rows_and_group():
+    small, large = (576, 576), (28672, 4096)
+    assert weight_only_launch("w4a16", 1, *large, 64) == WeightOnlyLaunch(128, 64, 4, 3)
+    assert weight_only_launch("w4a16", 1, *large, 32).block_k == 32  # never straddles a group
+    assert weight_only_launch("w4a16", 16, *small, 64) == WeightOnlyLaunch(64, 32, 8, 4)
+    assert weight_only_launch("w4a16", 17, *small, 64) == WeightOnlyLaunch(64, 64, 4, 3)
+    assert weight_only_launch("w8a16", 64, *large) == WeightOnlyLaunch(64, 128, 4, 4)
+    with pytest.raises(ValueError, match="unknown weight-only kernel"):
+        weight_only_launch("w2a16", 1, *small)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_rows", "n", "k", "split_k"),
                          [(1, 64, 128, 1), (5, 100, 200, 2), (17, 70, 300, 3), (2, 130, 64, 1)])  # fmt: skip
@@ -65,6 +109,8 @@ def test_w8a16_gemm_matches_reference(dtype, num_rows, n, k, split_k):
     scales = w.scales.to(dtype)
     y = w8a16_gemm(x, w.qweight.contiguous(), scales, split_k=split_k)
     assert_close(y, int8_weight_only_mm_ref(x, w.qweight, scales), dtype)
+    wide = w8a16_gemm(x, w.qweight.contiguous(), scales, split_k, WeightOnlyLaunch(128, 32, 8, 4))
+    assert_close(wide, int8_weight_only_mm_ref(x, w.qweight, scales), dtype)
 
 
 def test_split_k_fills_the_sms_without_tiny_splits():
