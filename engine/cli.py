@@ -71,8 +71,9 @@ FLAG_HELP: dict[str, str] = {
     "few-row kernel calls from the decoder layers (CPU)",
     "prepack_weights": "CPU, bfloat16: reorder linear weights for oneDNN once at load instead "
     "of on every matmul (bit-identical outputs); --no-prepack-weights for the before",
-    "fused_ops": "CPU: RMSNorm with its residual add, RoPE and SiLU-and-mul as one C++ call "
-    "each instead of 3-12 torch ops (the torch ops, with a warning, without a C++ compiler); "
+    "fused_ops": "RMSNorm with its residual add, RoPE and SiLU-and-mul as one kernel each "
+    "instead of 3-12 torch ops: C++ on CPU (the torch ops, with a warning, without a C++ "
+    "compiler), Triton on CUDA; "
     "--no-fused-ops for the before",
     "num_threads": "CPU torch threads (default: all cores)",
     "step_history_len": "engine steps kept for the live charts",

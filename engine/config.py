@@ -102,8 +102,9 @@ class EngineConfig:
     # CPU, 16-bit: linear weights reordered once for oneDNN instead of on every call (same
     # outputs; engine/runner/models/prepack.py). False is the "before" for comparisons.
     prepack_weights: bool = True
-    # CPU: RMSNorm with its residual add, RoPE and SiLU-and-mul as one C++ call each instead of
-    # 3-12 torch ops (engine/runner/models/layer_ops.py). False is the "before".
+    # RMSNorm with its residual add, RoPE and SiLU-and-mul as one kernel each instead of 3-12
+    # torch ops: C++ on CPU, Triton on CUDA (engine/runner/models/layer_ops.py). False is the
+    # "before".
     fused_ops: bool = True
     num_threads: int | None = None  # CPU torch threads; None = all cores
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import itertools
 import json
 import os
@@ -135,6 +136,7 @@ def launches(model: str, dtype_name: str, sweep: bool) -> list[RecordedLaunch]:
 
     calls = [functools.partial(kernels.kv_store, key, key, cache, cache, slots)]
     calls += [functools.partial(decode, None), functools.partial(prefill, None)]
+    calls += layer_calls(arch, dtype) if dtype != torch.float32 else []
     if sweep:
         for tile, warps in itertools.product(SWEEP_TILES, SWEEP_WARPS):
             calls += [functools.partial(decode, Launch(tile, warps))]
@@ -152,15 +154,56 @@ def launches(model: str, dtype_name: str, sweep: bool) -> list[RecordedLaunch]:
     return recorded
 
 
+def layer_calls(arch, dtype) -> list:
+    """The fused per-layer ops (kernels/fused_ops_triton.py) at a decode step's 64 rows, and the
+    weight-only GEMMs (w4a16, w8a16) at the MLP's gate/up shape for 1 and 64 rows: the
+    launches the engine makes for a quantized 16-bit model on CUDA."""
+    import torch
+
+    from kernels import fused_ops_triton
+    from kernels.w4a16_gemm import w4a16_gemm
+    from kernels.w8a16_gemm import w8a16_gemm
+
+    meta = {"dtype": dtype, "device": "meta"}
+    rows, hidden, inter = 64, arch.hidden_size, arch.intermediate_size
+    x, weight = torch.empty(rows, hidden, **meta), torch.empty(hidden, **meta)
+    qkv = torch.empty(rows, (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, **meta)
+    positions = torch.empty(rows, dtype=torch.int64, device="meta")
+    table = torch.empty(4096, arch.head_dim // 2, dtype=torch.float32, device="meta")
+    heads = arch.num_heads + arch.num_kv_heads
+    calls = [
+        functools.partial(fused_ops_triton.add_rms_norm, x, x, weight, 1e-5),
+        functools.partial(
+            fused_ops_triton.rope_, qkv, positions, table, table, heads, arch.head_dim
+        ),
+        functools.partial(fused_ops_triton.silu_mul, torch.empty(rows, 2 * inter, **meta)),
+    ]
+    packed = torch.empty(2 * inter, hidden // 2, dtype=torch.uint8, device="meta")
+    sz = torch.empty(hidden // 64, 2 * inter, 2, **meta)
+    q8 = torch.empty(2 * inter, hidden, dtype=torch.int8, device="meta")
+    scales = torch.empty(2 * inter, **meta)
+    for m in (1, 64):
+        xm = torch.empty(m, hidden, **meta)
+        calls += [functools.partial(w4a16_gemm, xm, packed, sz, 64)]
+        calls += [functools.partial(w8a16_gemm, xm, q8, scales)]
+    return calls
+
+
+KERNEL_MODULES = ("kv_store", "paged_attention_decode", "paged_attention_prefill",
+                  "fused_ops_triton", "w4a16_gemm", "w8a16_gemm")  # fmt: skip
+
+
 class recording:
     """Swaps every kernel's `run` (what `kernel[grid](...)` calls) for a recorder."""
 
     def __init__(self, sink: list[RecordedLaunch], model: str, dtype: str) -> None:
         from triton.runtime.jit import JITFunction
 
+        for module in KERNEL_MODULES:
+            importlib.import_module(f"kernels.{module}")
         self.kernels = [
             (name, value)
-            for module in ("kv_store", "paged_attention_decode", "paged_attention_prefill")
+            for module in KERNEL_MODULES
             for name, value in vars(sys.modules[f"kernels.{module}"]).items()
             if isinstance(value, JITFunction) and name.endswith("_kernel")
         ]

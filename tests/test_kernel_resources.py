@@ -30,7 +30,8 @@ def test_wrapper_launches_do_not_spill_on_sm90(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     reports = json.loads(out.read_text())
     kernels = {r["kernel"] for r in reports}
-    assert kernels == {"kv_store", "decode_partition", "decode_reduce", "prefill"}
+    assert kernels == {"kv_store", "decode_partition", "decode_reduce", "prefill",
+                       "add_rms_norm", "rope", "silu_mul", "w4a16", "w8a16"}  # fmt: skip
     assert {r["model"] for r in reports} == {"llama-3-8b", "llama-2-7b", "smollm2-135m"}
     assert all(r["choice"] == "wrapper" for r in reports)
     spilled = [r for r in reports if r["spill_bytes"] > 0]

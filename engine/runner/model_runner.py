@@ -463,7 +463,8 @@ class ModelRunner:
     def layer_ops_description(self) -> str:
         if self.fused_ops_fallback:
             return f"torch (fused ops unavailable: {self.fused_ops_fallback})"
-        return "cpu (fused C++ ops)" if self.layer_ops.name == "cpu" else "torch"
+        labels = {"cpu": "cpu (fused C++ ops)", "triton": "triton (fused Triton ops)"}
+        return labels.get(self.layer_ops.name, "torch")
 
     @property
     def kv_cache_bytes(self) -> int:

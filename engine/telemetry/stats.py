@@ -223,7 +223,8 @@ class EngineStats:
     # What runs attention: "torch", "cpu (C++ paged kernel, ...)", or a fallback saying why
     # (AttentionBackend.description); "" where not known (a remote server).
     attention_backend: str = ""
-    # What runs RMSNorm, RoPE and SiLU-and-mul: "cpu (fused C++ ops)", "torch", or "torch
+    # What runs RMSNorm, RoPE and SiLU-and-mul: "cpu (fused C++ ops)", "triton (fused Triton
+    # ops)" (GPUs), "torch", or "torch
     # (fused ops unavailable: why)" (EngineConfig.fused_ops resolved); "" where not known.
     layer_ops: str = ""
     steps: list[StepStats] = field(default_factory=list)  # most recent last

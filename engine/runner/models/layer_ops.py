@@ -1,10 +1,12 @@
 """The small per-layer ops of the decoder (RMSNorm with its residual add, RoPE, SiLU-and-mul),
 behind one interface with two implementations:
 
-- TorchOps: plain torch, Hugging Face's arithmetic step for step (the reference; on GPUs).
+- TorchOps: plain torch, Hugging Face's arithmetic step for step (the reference).
 - CpuFusedOps: the C++ kernels of kernels/cpu_fused_ops.py, one call where torch takes 3-12
   ops. On CPU a small op costs ~5 us of Python and dispatch whatever its size, and a batch-1
   decode step of SmolLM2 ran ~1,800 of them (EngineConfig.fused_ops; off = TorchOps).
+- TritonFusedOps: the same ops as Triton kernels (kernels/fused_ops_triton.py) on GPUs, where
+  CUDA graphs remove the launches but each small kernel still costs ~1.3 us of GPU time.
 
 The residual stream is carried beside the hidden states (`add_rms_norm` adds the sublayer's
 output into it and normalizes the sum): the same additions in the same order as
@@ -59,9 +61,34 @@ class TorchOps:
         return F.silu(gate) * up
 
 
-class CpuFusedOps(TorchOps):
+class FusedOps(TorchOps):
+    """One kernel call per op through `impl`, a module with the signatures of
+    kernels/cpu_fused_ops.py (rms_norm, add_rms_norm, rope_, silu_mul); inputs are the
+    model's own contiguous activations."""
+
+    impl: ModuleType
+
+    def rms_norm(self, x, weight, eps):
+        return self.impl.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        # In place on `residual`: the model owns it (a fresh embedding output, then sums).
+        return self.impl.add_rms_norm(x, residual, weight, eps), residual
+
+    def rope_tables(self, positions, cos, sin, dtype):
+        return positions, cos, sin  # the kernel reads the float32 tables by position
+
+    def rope(self, qkv, tables, num_heads, head_dim):
+        self.impl.rope_(qkv, *tables, num_heads, head_dim)  # in place
+        return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+
+    def silu_mul(self, gate_up):
+        return self.impl.silu_mul(gate_up)
+
+
+class CpuFusedOps(FusedOps):
     """The C++ ops (kernels/cpu_fused_ops.py), for a model whose widths they take
-    (make_layer_ops checks); inputs are the model's own contiguous activations."""
+    (make_layer_ops checks)."""
 
     name = "cpu"
 
@@ -69,24 +96,21 @@ class CpuFusedOps(TorchOps):
         from kernels import cpu_fused_ops
 
         cpu_fused_ops.load_extension()  # built (or loaded) here: CpuKernelUnavailable if not
+        self.impl = cpu_fused_ops
         self.kernels = cpu_fused_ops  # the checked wrappers; quantized linears share them
 
-    def rms_norm(self, x, weight, eps):
-        return self.kernels.rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x, residual, weight, eps):
-        # In place on `residual`: the model owns it (a fresh embedding output, then sums).
-        return self.kernels.add_rms_norm(x, residual, weight, eps), residual
+class TritonFusedOps(FusedOps):
+    """The Triton ops (kernels/fused_ops_triton.py): GPUs, where CUDA graphs take the launch
+    costs of torch's small ops away but not their kernels (~30 a layer, ~1.3 us each on an
+    H200 at batch 1). Runs on CPU too, under TRITON_INTERPRET (the tests)."""
 
-    def rope_tables(self, positions, cos, sin, dtype):
-        return positions, cos, sin  # the kernel reads the float32 tables by position
+    name = "triton"
 
-    def rope(self, qkv, tables, num_heads, head_dim):
-        self.kernels.rope_(qkv, *tables, num_heads, head_dim)  # in place
-        return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+    def __init__(self) -> None:
+        from kernels import fused_ops_triton
 
-    def silu_mul(self, gate_up):
-        return self.kernels.silu_mul(gate_up)
+        self.impl = fused_ops_triton
 
 
 def make_layer_ops(
@@ -94,8 +118,16 @@ def make_layer_ops(
 ) -> tuple[TorchOps, str | None]:
     """The ops for a model of `arch` on `device`, and why the fused ones are not used when
     they were asked for and cannot be (None otherwise)."""
-    if not fused or device.type != "cpu":
-        return TorchOps(), None  # GPUs: the torch ops (CUDA graphs remove their launch costs)
+    if not fused or device.type not in ("cpu", "cuda"):
+        return TorchOps(), None
+    if device.type == "cuda":
+        half = arch.head_dim // 2
+        if arch.head_dim % 2 or half & (half - 1):
+            return (
+                TorchOps(),
+                f"head_dim {arch.head_dim}: the Triton RoPE needs head_dim / 2 a power of two",
+            )
+        return TritonFusedOps(), None
     from kernels.cpu_build import CpuKernelUnavailable
     from kernels.cpu_fused_ops import VECTOR
 
