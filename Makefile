@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test test-fast screenshots setup setup-dev browser compiler lint format bench bench-batch1 bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui quantize soak gpu-check clean
+.PHONY: run test test-fast screenshots setup setup-dev browser compiler lint format bench bench-batch1 bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui quantize soak gpu-check gpu-tune clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -125,6 +125,9 @@ soak: setup
 
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py $(ARGS)
+
+gpu-tune: setup
+	$(BIN)/python scripts/gpu_tune.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

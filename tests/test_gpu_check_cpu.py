@@ -52,3 +52,22 @@ def test_graphs_parity_row_reports_a_difference():
         rows = []
         assert gpu_check.graphs_parity(FakeLLM, SamplingParams, rows) is failed
         assert rows[0]["ok"] is not failed and rows[0]["case"].startswith("graphs parity")
+
+
+def test_gpu_tune_cpu_mode_checks_launch_candidates(tmp_path):
+    """scripts/gpu_tune.py --cpu: a few weight-only launch candidates of each format against
+    the first launch's output under the interpreter (the GPU parts need CUDA)."""
+    import json
+
+    out = tmp_path / "tune.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/gpu_tune.py", "--cpu", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["sweep"]
+    assert {r["kind"] for r in rows} == {"w4a16", "w8a16"}
+    assert all(r["ok"] and r["rel_err"] < 1e-5 for r in rows), rows
