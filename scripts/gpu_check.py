@@ -503,7 +503,9 @@ def decode_tokens_per_s(llm, sampling_params_cls, batch: int, prompt_len: int = 
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    short, long = 4, 68
+    # 256 decode steps: at batch 64 on an H200 a 64-step difference was ~0.2 s, and the runs'
+    # prefill and host jitter moved single measurements by up to 30%.
+    short, long = 4, 260
     elapsed_s(short)  # warm-up: compiles kernels, captures graphs
     return batch * (long - short) / (elapsed_s(long) - elapsed_s(short))
 

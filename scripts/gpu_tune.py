@@ -295,7 +295,7 @@ def make_engine(llm_cls, model: str, overrides: dict, launches: str):
         w4.weight_only_launch = w8.weight_only_launch = first_launches
     try:
         return llm_cls(model=model, dtype="bfloat16", quantization_group_size=GROUP_SIZE,
-                       max_num_seqs=64, num_kv_blocks=1024, attention_backend="triton",
+                       max_num_seqs=64, num_kv_blocks=2048, attention_backend="triton",
                        **overrides)  # fmt: skip
     finally:
         w4.weight_only_launch = w8.weight_only_launch = engine_picks
@@ -304,6 +304,8 @@ def make_engine(llm_cls, model: str, overrides: dict, launches: str):
 def end_to_end(torch, args: argparse.Namespace, report: dict) -> bool:
     """Decode tok/s of every E2E_CONFIGS engine, built side by side and measured interleaved
     (one process's GPU state drifts between runs: single runs moved 30%)."""
+    from gpu_check import decode_tokens_per_s  # scripts/ is on sys.path (run as a script)
+
     from engine import LLM, SamplingParams
 
     failed = False
@@ -322,7 +324,7 @@ def end_to_end(torch, args: argparse.Namespace, report: dict) -> bool:
             rates: dict[str, list[float]] = {label: [] for label in engines}
             for _ in range(E2E_REPEATS):
                 for label, llm in engines.items():
-                    rates[label].append(decode_tokens_per_s(torch, llm, SamplingParams, batch))
+                    rates[label].append(decode_tokens_per_s(llm, SamplingParams, batch))
             for label, values in rates.items():
                 median = sorted(values)[len(values) // 2]
                 report["e2e"].append({"model": model, "case": label, "batch": batch,
@@ -385,25 +387,6 @@ def fused_ops_parity(torch, report: dict) -> bool:
     report["fused_ops_parity"] = "identical greedy tokens, 6 x 24" if same else "tokens DIFFER"
     print(f"  fused ops parity (float32, graphs): {report['fused_ops_parity']}", flush=True)
     return not same
-
-
-def decode_tokens_per_s(
-    torch, llm, sampling_params_cls, batch: int, prompt_len: int = 128
-) -> float:
-    """Decode rate with prefill cancelled out: two runs differing only in max_tokens."""
-    gen = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(0, 1000, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
-
-    def elapsed_s(max_tokens: int) -> float:
-        params = sampling_params_cls(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    elapsed_s(4)  # warm-up
-    return batch * (68 - 4) / (elapsed_s(68) - elapsed_s(4))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -117,3 +117,26 @@ def test_engine_tokens_match_the_torch_ops(monkeypatch):
     llm = LLM(fused_ops=True, **common)
     assert llm.stats().layer_ops == "triton (fused Triton ops)"
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_on_cuda_is_bit_exact_against_torch():
+    """On a GPU (float32 -> bfloat16 rounds to nearest there) every op equals torch's."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    x = torch.randn(64, 576, generator=gen, **bf16) * 3
+    residual = torch.randn(64, 576, generator=gen, **bf16)
+    weight = torch.randn(576, generator=gen, **bf16)
+    expected_out, expected_residual = REF.add_rms_norm(x, residual, weight, 1e-5)
+    out, got_residual = FUSED.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    assert torch.equal(got_residual, expected_residual) and torch.equal(out, expected_out)
+    qkv = torch.randn(64, 15 * 64, generator=gen, **bf16)
+    positions = torch.randint(0, 2048, (64,), generator=gen, device="cuda")
+    freqs = torch.outer(torch.arange(2048, device="cuda").float(), torch.rand(32, device="cuda"))
+    tables = (positions, freqs.cos(), freqs.sin())
+    expected = REF.rope(qkv, REF.rope_tables(*tables, qkv.dtype), 12, 64)
+    assert torch.equal(FUSED.rope(qkv.clone(), FUSED.rope_tables(*tables, qkv.dtype), 12, 64),
+                       expected)  # fmt: skip
+    gate_up = torch.randn(64, 2 * 1536, generator=gen, **bf16) * 4
+    assert torch.equal(FUSED.silu_mul(gate_up), REF.silu_mul(gate_up))
