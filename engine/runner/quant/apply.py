@@ -54,8 +54,10 @@ CPU_INT4_KERNEL_DEQUANT_MIN_ROWS = 65
 # time also doubled in some processes, README, quantization).
 CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS = 65
 # CUDA: the Triton weight-only kernels (kernels/w4a16_gemm.py, w8a16_gemm.py) below this many
-# rows, dequantize + cuBLAS above: vLLM's AWQ path switches at 256 tokens. Not yet measured with
-# our kernels (no GPU was lent while they were written); scripts/gpu_check.py times both paths.
+# rows, dequantize + cuBLAS above (vLLM's AWQ path switches at 256 tokens too). Measured on an
+# H200 (scripts/gpu_check.py, kernels/README.md): int8's kernel beat dequantize + cuBLAS at every
+# row count up to 256; int4's, on Llama-3-8B's largest layers, at 64 rows (4x) but not at 256,
+# so its crossover lies in between, unmeasured; the switch stays at 256.
 CUDA_DEQUANT_MIN_ROWS = 256
 
 
