@@ -47,15 +47,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    if args.cpu:  # must precede the first triton import
-        os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, str(ROOT))
-    import torch
-
-    if not args.cpu and not torch.cuda.is_available():
-        print("no CUDA device: run with --cpu for the interpreter correctness check")
+    if (started := start(args.cpu)) is None:
         return 2
-    device = torch.device("cpu" if args.cpu else "cuda")
+    torch, device = started
     rows: list[dict] = []
     failed = False
     bandwidth = None if args.cpu else copy_bandwidth_bytes_per_s(torch)
@@ -86,6 +80,20 @@ def main() -> int:
         args.json.write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}")
     return 1 if failed else 0
+
+
+def start(cpu: bool):
+    """(torch, device) for a GPU script: with cpu, the interpreter (TRITON_INTERPRET set before
+    the first triton import) on CPU tensors; else CUDA, or None with a message when absent."""
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    if not cpu and not torch.cuda.is_available():
+        print("no CUDA device: run with --cpu for the interpreter correctness check")
+        return None
+    return torch, torch.device("cpu" if cpu else "cuda")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,16 +8,13 @@ import logging
 
 import pytest
 import torch
+from fused_close import DTYPES, assert_close
 
 from engine import LLM, SamplingParams
 from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
 from kernels import cpu_fused_ops
 
 REF = TorchOps()
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# float32: summation order only. 16-bit: results round to the same value or a neighbour (the
-# sums of squares are added in another order; RoPE's fused tables stay float32).
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +24,6 @@ def fused() -> CpuFusedOps:
     return CpuFusedOps()
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    err = (actual.float() - expected.float()).abs().max().item()
-    scale = expected.float().abs().max().item()
-    assert err <= TOLERANCE[dtype] * max(scale, 1.0), f"max error {err}, scale {scale}"
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 96 takes the multi-threaded path
 def test_rms_norm_and_residual_add_match_torch(fused, dtype, rows):
@@ -41,13 +31,13 @@ def test_rms_norm_and_residual_add_match_torch(fused, dtype, rows):
     x = (torch.randn(rows, 96, generator=gen) * 3).to(dtype)
     residual = torch.randn(rows, 96, generator=gen).to(dtype)
     weight = torch.randn(96, generator=gen).to(dtype)
-    _close(fused.rms_norm(x, weight, 1e-5), REF.rms_norm(x, weight, 1e-5), dtype)
+    assert_close(fused.rms_norm(x, weight, 1e-5), REF.rms_norm(x, weight, 1e-5), dtype)
     expected_out, expected_residual = REF.add_rms_norm(x, residual, weight, 1e-5)
     in_place = residual.clone()
     out, new_residual = fused.add_rms_norm(x, in_place, weight, 1e-5)
     assert new_residual is in_place  # the stream is updated where it lives
     assert torch.equal(in_place, expected_residual)  # one rounding of the same sum: exact
-    _close(out, expected_out, dtype)
+    assert_close(out, expected_out, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -63,7 +53,7 @@ def test_rope_rotates_q_and_k_heads_in_place_and_leaves_v(fused, dtype, head_dim
     before = qkv.clone()
     out = fused.rope(qkv, fused.rope_tables(positions, cos, sin, dtype), rotated, head_dim)
     assert out.data_ptr() == qkv.data_ptr()  # a view of the rotated buffer
-    _close(out, expected, dtype)
+    assert_close(out, expected, dtype)
     assert torch.equal(qkv[:, rotated * head_dim :], before[:, rotated * head_dim :])
 
 
@@ -85,7 +75,7 @@ def test_silu_mul_matches_torch_over_the_whole_range(fused, dtype):
                       torch.full((1, 64), 100.0)])  # fmt: skip
     up = torch.randn(6, 64, generator=gen)
     gate_up = torch.cat([gate, up], dim=1).to(dtype)
-    _close(fused.silu_mul(gate_up), REF.silu_mul(gate_up), dtype)
+    assert_close(fused.silu_mul(gate_up), REF.silu_mul(gate_up), dtype)
 
 
 def test_bad_inputs_raise_value_errors_naming_the_argument(fused):
@@ -231,7 +221,7 @@ def test_int8_linear_matches_the_dequantized_matmul(fused, dtype, rows, n):
     s = (torch.rand(n, generator=gen) * 0.02 + 0.001).to(dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     ref = (x.float() @ (q.float() * s.float()[:, None]).T).to(dtype)
-    _close(cpu_fused_ops.int8_linear(x, q, s), ref, dtype)
+    assert_close(cpu_fused_ops.int8_linear(x, q, s), ref, dtype)
 
 
 @pytest.mark.parametrize("rows", [3, 4, 5, 17, 64])  # across the switch to cpu_int8_rows.h at 4
@@ -248,7 +238,7 @@ def test_int8_linear_takes_many_bf16_rows(fused, rows, n, k):
     s = (torch.rand(n, generator=gen) * 0.02 + 0.001).bfloat16()
     x = torch.randn(rows, k, generator=gen).bfloat16()
     ref = (x.float() @ (q.float() * s.float()[:, None]).T).bfloat16()
-    _close(cpu_fused_ops.int8_linear(x, q, s), ref, torch.bfloat16)
+    assert_close(cpu_fused_ops.int8_linear(x, q, s), ref, torch.bfloat16)
 
 
 def test_int8_bf16_layers_take_a_batch_64_step_with_the_kernel(fused, monkeypatch):
@@ -327,7 +317,7 @@ def test_int4_linear_matches_the_dequantized_matmul(fused, rows, n, k, group):
     x = torch.randn(rows, k, generator=gen).bfloat16()
     ref = (x.float() @ w.T).bfloat16()
     out = cpu_fused_ops.int4_linear(x, packed, scale_and_zero, group)
-    _close(out, ref, torch.bfloat16)
+    assert_close(out, ref, torch.bfloat16)
     # Most elements round to the reference's bfloat16 exactly (the rest to a neighbour).
     assert (out == ref).float().mean() > 0.9
 
@@ -375,7 +365,7 @@ def test_int4_bf16_decode_runs_the_cpp_kernel(fused, monkeypatch):
     aten = torch._weight_int4pack_mm_for_cpu(
         x, layer.packed, layer.group_size, layer.scale_and_zero
     )
-    _close(layer(x), aten, torch.bfloat16)
+    assert_close(layer(x), aten, torch.bfloat16)
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fused_close import DTYPES, assert_close
 
 import engine.runner.model_runner as model_runner
 from engine import LLM, SamplingParams
@@ -19,15 +20,6 @@ from engine.runner.models.layer_ops import TorchOps, TritonFusedOps, make_layer_
 
 REF = TorchOps()
 FUSED = TritonFusedOps()
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    err = (actual.float() - expected.float()).abs().max().item()
-    scale = expected.float().abs().max().item()
-    assert err <= TOLERANCE[dtype] * max(scale, 1.0), f"max error {err}, scale {scale}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -37,16 +29,16 @@ def test_rms_norm_and_residual_add_match_torch(dtype, width):
     x = (torch.randn(5, width, generator=gen) * 3).to(dtype)
     residual = torch.randn(5, width, generator=gen).to(dtype)
     weight = torch.randn(width, generator=gen).to(dtype)
-    _close(FUSED.rms_norm(x, weight, 1e-5), REF.rms_norm(x, weight, 1e-5), dtype)
+    assert_close(FUSED.rms_norm(x, weight, 1e-5), REF.rms_norm(x, weight, 1e-5), dtype)
     expected_out, expected_residual = REF.add_rms_norm(x, residual, weight, 1e-5)
     in_place = residual.clone()
     out, new_residual = FUSED.add_rms_norm(x, in_place, weight, 1e-5)
     assert new_residual is in_place  # the stream is updated where it lives
     if dtype == torch.bfloat16:  # the interpreter's truncation (see the module docstring)
-        _close(in_place, expected_residual, dtype)
+        assert_close(in_place, expected_residual, dtype)
     else:
         assert torch.equal(in_place, expected_residual)  # one rounding of the same sum: exact
-    _close(out, expected_out, dtype)
+    assert_close(out, expected_out, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -63,7 +55,7 @@ def test_rope_rotates_q_and_k_heads_in_place_bit_exact_and_leaves_v(dtype):
     out = FUSED.rope(qkv, FUSED.rope_tables(positions, cos, sin, dtype), rotated, head_dim)
     assert out.data_ptr() == qkv.data_ptr()
     if dtype == torch.bfloat16:  # the interpreter's truncation (see the module docstring)
-        _close(out, expected, dtype)
+        assert_close(out, expected, dtype)
     else:
         assert torch.equal(out, expected)
     assert torch.equal(wide[:, rotated * head_dim :], before[:, rotated * head_dim :])
@@ -77,7 +69,7 @@ def test_silu_mul_matches_torch_over_the_whole_range(dtype):
                       torch.full((1, 1536), 100.0)])  # fmt: skip
     up = torch.randn(6, 1536, generator=gen)  # 1536: two 1024-wide blocks, the second masked
     gate_up = torch.cat([gate, up], dim=1).to(dtype)
-    _close(FUSED.silu_mul(gate_up), REF.silu_mul(gate_up), dtype)
+    assert_close(FUSED.silu_mul(gate_up), REF.silu_mul(gate_up), dtype)
 
 
 def test_bad_inputs_are_refused_naming_the_argument():
