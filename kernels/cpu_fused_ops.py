@@ -42,18 +42,14 @@ def cpu_fused_ops_status() -> str | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    out = torch.empty_like(x)
-    load_extension().rms_norm(out, x, weight, eps)
-    return out
+    return load_extension().rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """Adds x into `residual` in place and returns the normalized sum."""
-    out = torch.empty_like(x)
-    load_extension().add_rms_norm(out, x, residual, weight, eps)
-    return out
+    return load_extension().add_rms_norm(x, residual, weight, eps)
 
 
 def rope_(
@@ -69,9 +65,7 @@ def rope_(
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[-1] // 2)
-    load_extension().silu_mul(out, gate_up)
-    return out
+    return load_extension().silu_mul(gate_up)
 
 
 def dequant_int4(
