@@ -72,3 +72,18 @@ def test_one_kernel_call_per_layer_covers_decodes_and_prefills():
     assert meta.query_start_loc.tolist() == [0, 1, 2, 5]
     assert meta.seq_lens.tolist() == [3, 9, 20]
     assert meta.block_tables.tolist() == [[0, 0, 0], [1, 2, 0], [3, 4, 5]]
+
+
+def test_kernel_views_are_kept_for_the_current_pool_only():
+    """Each layer's permuted cache views are made once and reused; a new pool drops the old
+    pool's, which would otherwise keep its memory alive."""
+    llm = LLM(attention_backend="cpu", **COMMON)
+    backend, runner = llm.engine.runner.attn_backend, llm.engine.runner
+    llm.generate(PROMPTS[:2], PARAMS)
+    keys = {id(cache[0]) for cache in runner.kv_caches}
+    assert set(backend._views) == keys  # one entry per layer of the pool in use
+    views = backend._views[id(runner.kv_caches[0][0])][1]
+    llm.generate(PROMPTS[:2], PARAMS)
+    assert backend._views[id(runner.kv_caches[0][0])][1][0] is views[0]  # reused, not remade
+    backend.allocate_kv_caches(runner.arch.num_layers, 4)
+    assert backend._views == {}

@@ -106,6 +106,12 @@ class CpuBackend(TorchBackend):
         )  # fmt: skip
         return out
 
+    def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[LayerKVCache]:
+        # Kept views of an earlier pool would keep its memory alive; the new one's are made
+        # on first use.
+        self._views.clear()
+        return super().allocate_kv_caches(num_layers, num_blocks)
+
     def _kernel_views(self, cache: LayerKVCache) -> tuple:
         """(K, V, K scales, V scales) as the kernel reads them: head-major [Hkv, blocks, bs, ...]
         seen as [blocks, bs, Hkv, ...]. Made once per layer's cache and kept: 2-4 permutes a layer
