@@ -144,6 +144,13 @@ def _norm(x, residual, weight, eps: float) -> torch.Tensor:
     return out
 
 
+def rope_supports(head_dim: int) -> bool:
+    """Whether rope_ takes heads of head_dim: one program rotates head_dim / 2 pairs, a power
+    of two (tl.arange)."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half > 0 and half & (half - 1) == 0
+
+
 def rope_(
     x: torch.Tensor,  # [T, >= num_heads * head_dim], rows of heads; rotated in place
     positions: torch.Tensor,  # int64 [T]
@@ -154,9 +161,7 @@ def rope_(
 ) -> torch.Tensor:
     half = head_dim // 2
     _check_rows("x", x, num_heads * head_dim)
-    assert head_dim % 2 == 0 and half & (half - 1) == 0, (
-        f"head_dim / 2 must be a power of two, got head_dim {head_dim}"
-    )
+    assert rope_supports(head_dim), f"head_dim / 2 must be a power of two, got head_dim {head_dim}"
     assert positions.shape == (x.shape[0],) and positions.dtype == torch.int64
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == half
     assert cos.is_contiguous() and sin.is_contiguous()

@@ -65,7 +65,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    from gpu_check import start  # scripts/ is on sys.path (run as a script)
+    from gpu_check import copy_bandwidth_bytes_per_s, start  # scripts/ is on sys.path
 
     if (started := start(args.cpu)) is None:
         return 2
@@ -73,7 +73,7 @@ def main() -> int:
     report: dict = {"sweep": [], "picks": {}, "e2e": [], "profile": {}}
     if not args.cpu:
         report["device"] = torch.cuda.get_device_name(device)
-        report["bandwidth_bytes_per_s"] = copy_bandwidth(torch)
+        report["bandwidth_bytes_per_s"] = copy_bandwidth_bytes_per_s(torch)
     failed = False if args.skip_sweep else sweep(torch, device, args, report)
     save(args, report)
     if not args.cpu:
@@ -240,20 +240,6 @@ def graph_us(torch, fn, weights: list, replays: int = 8) -> float:
     torch.cuda.synchronize()
     del graph
     return 1e3 * start.elapsed_time(end) / (replays * len(weights))
-
-
-def copy_bandwidth(torch) -> float:
-    """Read + write bytes per second of a 1 GiB device copy (the floor's bandwidth)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * 10 * src.numel() / (time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------------------------------------

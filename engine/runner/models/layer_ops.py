@@ -123,8 +123,9 @@ def make_layer_ops(
     if not fused or device.type not in ("cpu", "cuda"):
         return TorchOps(), None
     if device.type == "cuda":
-        half = arch.head_dim // 2
-        if arch.head_dim % 2 or half & (half - 1):
+        from kernels.fused_ops_triton import rope_supports
+
+        if not rope_supports(arch.head_dim):
             return (
                 TorchOps(),
                 f"head_dim {arch.head_dim}: the Triton RoPE needs head_dim / 2 a power of two",
