@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from engine.runner.models.prepack import (
     PrepackedLinear,
     can_prepack,
+    packed_gemv_max_rows,
     packed_layout_matches,
     prepack_linears,
 )
@@ -114,7 +115,9 @@ def _packed_gemv_or_skip():
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 17, 64])  # > 4: tiles of 4 rows
-@pytest.mark.parametrize(("n", "k"), [(128, 96), (64, 576), (192, 32)])
+# (128, 576), not (64, 576): with AMX, oneDNN packs a 64-row weight in another layout (the
+# layout check refuses it there, and oneDNN takes every row count).
+@pytest.mark.parametrize(("n", "k"), [(128, 96), (128, 576), (192, 32)])
 def test_few_rows_read_the_packed_weight_in_place(num_rows, n, k):
     """packed_bf16_linear against the float32 product of the same bf16 values: only the
     summation order and the output's rounding differ (so within a bf16 rounding or two)."""
@@ -165,6 +168,7 @@ def test_engine_decode_steps_use_the_packed_gemv(monkeypatch):
         llm = LLM(model="random:tiny", dtype="bfloat16", fused_ops=fused, seed=3)
         outputs[fused] = llm.generate([[11, 12, 13, 14, 15]], params)[0].token_ids
         assert bool(calls) is fused
-    # Decode's 1 row, and the 5-token prompt's prefill (<= PACKED_GEMV_MAX_ROWS_AMX rows) too.
-    assert set(calls) == {1, 5}
+    # Decode's 1 row, and the 5-token prompt's prefill where the kernel takes 5 rows (not on
+    # AMX CPUs: there oneDNN's GEMM wins from PACKED_GEMV_MAX_ROWS_AMX + 1 = 5 rows).
+    assert set(calls) == ({1, 5} if packed_gemv_max_rows() >= 5 else {1})
     assert len(outputs[True]) == len(outputs[False]) == 4
