@@ -28,6 +28,7 @@
 
 #include "cpu_int4_linear.h"
 #include "cpu_int8_rows.h"
+#include "cpu_amx_linear.h"  // after the two above: it reuses their pair builders
 #include "cpu_simd.h"
 
 namespace {
@@ -226,6 +227,13 @@ void dequant_int8_impl(torch::Tensor w, torch::Tensor qweight, torch::Tensor sca
 constexpr int64_t INT8_ROWS = 4;
 constexpr int INT8_TILE_M = 4;
 constexpr int64_t INT8_ROWS_MIN_M = 4;  // x rows from which cpu_int8_rows.h takes over
+// bfloat16 x rows from which int8_linear and int4_linear multiply with AMX tiles where the CPU
+// has them (cpu_amx_linear.h). Measured per SmolLM2 layer shape on a 2-core Xeon (AMX), us,
+// few-row kernel vs AMX: int8 at 4 rows qkv 87 vs 41, gate_up 140 vs 111, LM head 2352 vs
+// 2083 (the vdpbf16ps rows kernel loses to AMX from its first row count); int4 at 4 rows
+// gate_up 89 vs 112, down 53 vs 66, LM head 1462 vs 2107, level at 5, AMX ahead from 6.
+constexpr int64_t AMX_INT8_MIN_ROWS = 4;
+constexpr int64_t AMX_INT4_MIN_ROWS = 6;
 // Weight rows are requested two blocks ahead, one cache line (INT8_ROWS x 16 bytes) per step:
 // four interleaved rows of K bytes are streams too short for the hardware prefetcher (measured
 // 6 GB/s per core from DRAM without, 18 with, on a 2-core EPYC).
@@ -587,6 +595,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                     "scales: contiguous [N] of x's dtype expected, got ", scales.scalar_type(),
                     " ", scales.sizes());
   torch::Tensor out = at::empty({x.size(0), qweight.size(0)}, x.options());
+#if defined(CPU_AMX_LINEAR)
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= AMX_INT8_MIN_ROWS &&
+      qweight.size(0) % cpu_amx_linear::TILE_ROWS == 0 &&
+      x.size(1) % cpu_amx_linear::K_STEP == 0 && cpu_amx_linear::tiles_permitted()) {
+    cpu_amx_linear::linear_int8(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                                x.size(0), x.size(1), qweight.data_ptr<int8_t>(),
+                                scales.data_ptr<c10::BFloat16>(), qweight.size(0));
+    return out;
+  }
+#endif
 #if defined(CPU_INT8_ROWS)
   // From 4 bfloat16 rows, whole 64-row blocks converted to bf16 pairs once (cpu_int8_rows.h);
   // measured on SmolLM2's shapes, 2-core EPYC, cached weights: level with the kernel below at
@@ -608,6 +626,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 bool has_int8_rows_linear() {
 #if defined(CPU_INT8_ROWS)
   return true;
+#else
+  return false;
+#endif
+}
+
+// True where this build has cpu_amx_linear.h (AMX tiles) and Linux lets this process use them:
+// int8_linear and int4_linear then multiply many bfloat16 rows with AMX (AMX_INT*_MIN_ROWS).
+bool has_amx_linear() {
+#if defined(CPU_AMX_LINEAR)
+  return cpu_amx_linear::tiles_permitted();
 #else
   return false;
 #endif
@@ -637,6 +665,15 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                     "scale_and_zero: contiguous bfloat16 [K/G, N, 2] expected, got ",
                     scale_and_zero.scalar_type(), " ", scale_and_zero.sizes());
   torch::Tensor out = at::empty({M, N}, x.options());
+#if defined(CPU_AMX_LINEAR)
+  if (M >= AMX_INT4_MIN_ROWS && K % cpu_amx_linear::K_STEP == 0 && group_size % 2 == 0 &&
+      cpu_amx_linear::tiles_permitted()) {
+    cpu_amx_linear::linear_int4(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), M, K,
+                                packed.data_ptr<uint8_t>(),
+                                scale_and_zero.data_ptr<c10::BFloat16>(), N, group_size);
+    return out;
+  }
+#endif
 #if defined(CPU_INT4_LINEAR)
   cpu_int4_linear::linear(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), M, K,
                           packed.data_ptr<uint8_t>(),
@@ -674,6 +711,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int4_linear", &has_int4_linear, "whether int4_linear runs on this CPU");
   m.def("has_int8_rows_linear", &has_int8_rows_linear,
         "whether int8_linear multiplies many bfloat16 rows with cpu_int8_rows.h here");
+  m.def("has_amx_linear", &has_amx_linear,
+        "whether int8_linear and int4_linear multiply many bfloat16 rows with AMX tiles here");
   m.def("int4_linear", &int4_linear,
         "x (bfloat16) @ W.T for few rows, W int4 in kernels/int4_pack.py's 64-row blocks");
   m.def("packed_bf16_linear", &packed_bf16_linear,

@@ -106,6 +106,13 @@ def has_int8_rows_linear() -> bool:
     return load_extension().has_int8_rows_linear()
 
 
+def has_amx_linear() -> bool:
+    """Whether int8_linear and int4_linear multiply many bfloat16 rows with AMX tiles here
+    (cpu_amx_linear.h: built for a CPU with AMX-BF16, and Linux granted this process the tile
+    state): int8 from 4 rows, int4 from 6."""
+    return load_extension().has_amx_linear()
+
+
 def has_int4_linear() -> bool:
     """Whether this CPU runs int4_linear (else the int4 layers call aten's kernel)."""
     return load_extension().has_int4_linear()

@@ -53,6 +53,14 @@ CPU_INT4_KERNEL_DEQUANT_MIN_ROWS = 65
 # 35.8 ms against 31.8 for the prepacked bf16 kernel and ~48 for dequantize + oneDNN (whose
 # time also doubled in some processes, README, quantization).
 CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS = 65
+# Quantized bfloat16 layers on CPUs with AMX (kernels/cpu_amx_linear.h): the weight-only kernels
+# multiply many rows with AMX tiles, converting the weight to 16-bit once per call in L2, where
+# dequantize + GEMM wrote the whole 16-bit weight and oneDNN reordered it on every call.
+# Measured per SmolLM2 layer shape on a 2-core Xeon (AMX), us, AMX kernel vs dequantize +
+# oneDNN: 64 rows gate_up 180-250 vs 390-480, LM head 3100-3800 vs 6700-7600; 100 rows gate_up
+# 267 vs 434; 512 rows level (gate_up 1017 vs 985, down 453 vs 497). Unmeasured between 100 and
+# 512: the switch sits in between.
+CPU_AMX_DEQUANT_MIN_ROWS = 256
 # CUDA: the Triton weight-only kernels (kernels/w4a16_gemm.py, w8a16_gemm.py) below this many
 # rows, dequantize + cuBLAS above (vLLM's AWQ path switches at 256 tokens too). Measured on an
 # H200 (scripts/gpu_check.py, kernels/README.md): int8's kernel beat dequantize + cuBLAS at every

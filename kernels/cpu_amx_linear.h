@@ -1,0 +1,319 @@
+// Weight-only products for many bfloat16 rows (a batch-64 decode step, a prefill chunk) on CPUs
+// with AMX tiles (Sapphire Rapids and later). Included by cpu_fused_ops.cpp after the int8 and
+// int4 few-row kernels, whose 16-bit pair builders it reuses.
+//
+// Why: with AMX, oneDNN multiplies a bfloat16 weight by 64 rows several times faster than the
+// vdpbf16ps kernels can (a SmolLM2 layer at 64 rows on a 2-core Xeon: ~0.5 ms against ~2.3 ms
+// for the int8/int4 kernels), so quantized layers dequantized into a scratch for it, paying a
+// write of the whole 16-bit weight and oneDNN's reorder of that plain matrix into its own
+// layout on every call (~0.8-0.9 ms a layer, batch-64 decode at ~0.65x bf16's rate). Here each
+// thread takes whole blocks of 64 output rows; a block's weights become bfloat16 pairs once per
+// call in a block-sized buffer that stays in L2, in the layout AMX's B operand reads:
+//
+//   pairs[(p * 4 + quarter) * 16 + lane] = (w(16 quarter + lane, 2p), w(.., 2p + 1)), bfloat16
+//
+// so a B tile (16 pairs of inputs x 16 output rows) is 16 rows of 64 bytes at a 256-byte
+// stride, and every 16 x rows are multiplied with them by tdpbf16ps into four 16 x 16 float32
+// accumulator tiles (products of bfloat16 are exact in float32, sums in float32). int8 pairs
+// are the stored values exactly and the per-row scale multiplies the float32 sum; int4 pairs
+// are the dequantized weights, q * s + (zf - 8 s) rounded to bfloat16 as dequant_int4 writes
+// them, so both paths multiply by the same 16-bit weight.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(CPU_INT8_ROWS) && \
+    defined(CPU_INT4_LINEAR)
+#define CPU_AMX_LINEAR 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include "cpu_int4_linear.h"
+#include "cpu_int8_rows.h"
+#include "cpu_simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace cpu_amx_linear {
+
+constexpr int BLOCK_ROWS = 64;  // output rows per block: four B tiles of 16
+constexpr int QUARTERS = 4;
+constexpr int TILE_ROWS = 16;   // x rows per A tile
+constexpr int K_STEP = 32;      // inputs per tile product (16 pairs)
+constexpr int PAIR_ROW_BYTES = BLOCK_ROWS * 4;  // one pair of inputs for the block's 64 rows
+
+// Linux gives a process AMX's 8 KB of tile state only when it asks (arch_prctl, Linux 5.16+);
+// oneDNN asks when it first runs an AMX kernel, which may be after our first call.
+inline bool tiles_permitted() {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
+  constexpr int XFEATURE_XTILEDATA = 18;
+  static const bool granted =
+      syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the four 16 x 16 float32 accumulators; 4: 16 x rows x 32 inputs; 5, 6: B tiles
+// (two, so a load overlaps the previous product). All 16 rows of 64 bytes. The configuration is
+// per thread and other code (oneDNN) loads its own between our calls: set at each call's start.
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = TILE_ROWS;
+  }
+  _tile_loadconfig(&config);
+}
+
+// acc [16, 64] float32 = x [16, K] (row stride x_stride elements) @ the block's pairs.
+inline void block_product(const c10::BFloat16* x, int64_t x_stride, const uint32_t* pairs,
+                          int64_t K, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t x_stride_bytes = x_stride * int64_t(sizeof(c10::BFloat16));
+  for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
+    const uint32_t* b = pairs + (k0 / 2) * QUARTERS * 16;
+    _tile_loadd(4, x + k0, x_stride_bytes);
+    _tile_loadd(5, b, PAIR_ROW_BYTES);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, b + 16, PAIR_ROW_BYTES);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, b + 32, PAIR_ROW_BYTES);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, b + 48, PAIR_ROW_BYTES);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  constexpr int ACC_STRIDE_BYTES = BLOCK_ROWS * sizeof(float);
+  _tile_stored(0, acc, ACC_STRIDE_BYTES);
+  _tile_stored(1, acc + 16, ACC_STRIDE_BYTES);
+  _tile_stored(2, acc + 32, ACC_STRIDE_BYTES);
+  _tile_stored(3, acc + 48, ACC_STRIDE_BYTES);
+}
+
+// A block of int4 weights (kernels/int4_pack.py's layout: per input k, 32 bytes whose low
+// nibbles are rows 0-31 and high nibbles rows 32-63) -> its dequantized bfloat16 pairs.
+// scale_zero: the (s, zf) bfloat16 pairs of row n0 of group 0 ([K/G, N, 2] as 32-bit units).
+inline void build_int4_pairs(const uint8_t* block, const uint32_t* scale_zero, int64_t N,
+                             int64_t K, int64_t group_size, uint32_t* pairs) {
+  using cpu_int4_linear::PAIR_INDEX;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i index_lo = _mm512_load_si512(PAIR_INDEX.bytes[0]);
+  const __m512i index_hi = _mm512_load_si512(PAIR_INDEX.bytes[1]);
+  const __m512i low_half = _mm512_set1_epi32(0xFFFF);
+  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
+  // cvtne2ps_pbh(odd, even) gives 16 even values then 16 odd ones; this interleaves them.
+  alignas(64) uint16_t interleave[32];
+  for (int i = 0; i < 16; ++i) {
+    interleave[2 * i] = uint16_t(i);
+    interleave[2 * i + 1] = uint16_t(16 + i);
+  }
+  const __m512i to_pairs = _mm512_load_si512(interleave);
+  for (int64_t g = 0; g < K / group_size; ++g) {
+    __m512 scale[QUARTERS], offset[QUARTERS];
+    for (int j = 0; j < QUARTERS; ++j) {
+      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
+      scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
+      offset[j] = _mm512_sub_ps(zf, _mm512_mul_ps(_mm512_set1_ps(8.0f), scale[j]));
+    }
+    for (int64_t p = g * group_size / 2; p < (g + 1) * group_size / 2; ++p) {
+      const __m512i v = _mm512_loadu_si512(block + p * 64);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      const __m512i q[QUARTERS] = {
+          _mm512_permutex2var_epi8(lo, index_lo, zero), _mm512_permutex2var_epi8(lo, index_hi, zero),
+          _mm512_permutex2var_epi8(hi, index_lo, zero), _mm512_permutex2var_epi8(hi, index_hi, zero)};
+      for (int j = 0; j < QUARTERS; ++j) {
+        // Multiply, then add (no fused multiply-add): dequant_int4's rounding, bit for bit.
+        const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(q[j], low_half));
+        const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(q[j], 16));
+        const __m512 w_even = _mm512_add_ps(_mm512_mul_ps(even, scale[j]), offset[j]);
+        const __m512 w_odd = _mm512_add_ps(_mm512_mul_ps(odd, scale[j]), offset[j]);
+        const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(w_odd, w_even);
+        _mm512_store_si512(pairs + (p * QUARTERS + j) * 16,
+                           _mm512_permutexvar_epi16(to_pairs, halves));
+      }
+    }
+  }
+}
+
+// Calls block(b, pairs) to fill each 64-row block's pairs, then out [M, N] = x [M, K] @ W.T in
+// 16-row tiles; row_scales (64 floats per block) or nullptr scale the float32 sums.
+template <typename BuildPairs>
+inline void linear_blocks(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                          int64_t N, const c10::BFloat16* row_scales, BuildPairs build) {
+  at::parallel_for(0, N / BLOCK_ROWS, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<__m512i> buffer(size_t(K / 2 * QUARTERS));  // K/2 x 256 bytes, in L2
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(buffer.data());
+    // The last tile's rows when M is not a multiple of 16, zero-padded (A tiles read 16 rows).
+    std::vector<c10::BFloat16> tail(M % TILE_ROWS ? size_t(TILE_ROWS * K) : 0);
+    if (!tail.empty()) {
+      const int64_t m0 = M / TILE_ROWS * TILE_ROWS;
+      std::memcpy(tail.data(), x + m0 * K, size_t((M - m0) * K) * sizeof(c10::BFloat16));
+    }
+    alignas(64) float acc[TILE_ROWS * BLOCK_ROWS];
+    alignas(64) float scales[BLOCK_ROWS];
+    for (int64_t b = begin; b < end; ++b) {
+      build(b, pairs);
+      for (int r = 0; r < BLOCK_ROWS; ++r) {
+        scales[r] = row_scales ? float(row_scales[b * BLOCK_ROWS + r]) : 1.0f;
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const int64_t rows = std::min<int64_t>(TILE_ROWS, M - m0);
+        const bool full = rows == TILE_ROWS;
+        block_product(full ? x + m0 * K : tail.data(), K, pairs, K, acc);
+        for (int64_t r = 0; r < rows; ++r) {
+          c10::BFloat16* dst = out + (m0 + r) * N + b * BLOCK_ROWS;
+          for (int j = 0; j < QUARTERS; ++j) {
+            const __m512 y = _mm512_mul_ps(_mm512_load_ps(acc + r * BLOCK_ROWS + j * 16),
+                                           _mm512_load_ps(scales + j * 16));
+            cpu_simd::store_bf16x16(dst + j * 16, cpu_simd::f32x16(y));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// int8 takes the weight as the A operand instead: a tile of A is 16 rows of 32 inputs as
+// stored, so the int8 -> bfloat16 conversion is a widening per row with no transpose (the pair
+// builder above transposes every 16 x 16 pairs: ~60 % of a 64-row product's time on a 2-core
+// Xeon), and x goes in as B, turned into pairs once per call: xp[(t * K/2 + p) * 16 + i] =
+// (x(16 t + i, 2p), x(16 t + i, 2p + 1)), zero past row M. The accumulators are then out.T
+// tiles (16 weight rows x 16 x rows), transposed in registers when written out.
+constexpr int M_TILES = 4;  // accumulator tiles: 64 x rows per pass over a weight row group
+
+inline void build_x_pairs(const c10::BFloat16* x, int64_t M, int64_t K, uint32_t* xp) {
+  const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t m = t * TILE_ROWS + i;
+        r[i] = m < M ? _mm512_loadu_si512(x + m * K + 2 * p0) : _mm512_setzero_si512();
+      }
+      cpu_int8_rows::transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(xp + (t * K / 2 + p0 + c) * 16, r[c]);
+    }
+  }
+}
+
+// 16 int8 weight rows [16, K] -> bfloat16 [16, K] (exact), the A operand's rows.
+inline void widen_rows(const int8_t* q, int64_t K, c10::BFloat16* w) {
+  for (int i = 0; i < 16; ++i) {
+    for (int64_t k = 0; k < K; k += K_STEP) {
+      const int8_t* src = q + i * K + k;
+      const __m512 lo = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+      _mm512_storeu_si512(w + i * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// acc[t] (16 weight rows x 16 x rows, float32) for the `tiles` (1-4) x tiles from xp_tiles.
+template <int TILES>
+inline void rows_product(const c10::BFloat16* w, int64_t K, const uint32_t* xp_tiles,
+                         float (*acc)[256]) {
+  _tile_zero(0);
+  if constexpr (TILES > 1) _tile_zero(1);
+  if constexpr (TILES > 2) _tile_zero(2);
+  if constexpr (TILES > 3) _tile_zero(3);
+  const int64_t tile_stride = K / 2 * 16;  // uint32 units between x tiles' pairs
+  for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
+    const uint32_t* b = xp_tiles + k0 / 2 * 16;
+    _tile_loadd(4, w + k0, K * int64_t(sizeof(c10::BFloat16)));
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (TILES > 1) {
+      _tile_loadd(6, b + tile_stride, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (TILES > 2) {
+      _tile_loadd(5, b + 2 * tile_stride, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (TILES > 3) {
+      _tile_loadd(6, b + 3 * tile_stride, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  _tile_stored(0, acc[0], 64);
+  if constexpr (TILES > 1) _tile_stored(1, acc[1], 64);
+  if constexpr (TILES > 2) _tile_stored(2, acc[2], 64);
+  if constexpr (TILES > 3) _tile_stored(3, acc[3], 64);
+}
+
+// out [M, N] = x [M, K] @ (q [N, K] * s [N, None]).T; N % 16 == 0, K % 32 == 0, bfloat16 x,
+// scales and out.
+inline void linear_int8(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                        const int8_t* q, const c10::BFloat16* scales, int64_t N) {
+  const int64_t x_tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+  std::vector<__m512i> xp_buffer(size_t(x_tiles * K / 2));
+  uint32_t* xp = reinterpret_cast<uint32_t*>(xp_buffer.data());
+  build_x_pairs(x, M, K, xp);
+  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<c10::BFloat16> w(size_t(16 * K));  // 16 widened rows, in L1/L2
+    alignas(64) float acc[M_TILES][256];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * 16;
+      widen_rows(q + n0 * K, K, w.data());
+      const __m512 s = (__m512)cpu_simd::load_bf16x16(scales + n0);
+      for (int64_t t0 = 0; t0 < x_tiles; t0 += M_TILES) {
+        const int64_t tiles = std::min<int64_t>(M_TILES, x_tiles - t0);
+        const uint32_t* xp_tiles = xp + t0 * K / 2 * 16;
+        switch (tiles) {
+          case 4: rows_product<4>(w.data(), K, xp_tiles, acc); break;
+          case 3: rows_product<3>(w.data(), K, xp_tiles, acc); break;
+          case 2: rows_product<2>(w.data(), K, xp_tiles, acc); break;
+          default: rows_product<1>(w.data(), K, xp_tiles, acc); break;
+        }
+        for (int64_t t = 0; t < tiles; ++t) {
+          __m512i r[16];  // r[n] lane i: output (x row 16 (t0 + t) + i, weight row n0 + n)
+          for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(acc[t] + n * 16);
+          cpu_int8_rows::transpose16(r);
+          const int64_t m0 = (t0 + t) * TILE_ROWS;
+          for (int64_t i = 0; i < std::min<int64_t>(TILE_ROWS, M - m0); ++i) {
+            const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(r[i]), s);
+            cpu_simd::store_bf16x16(out + (m0 + i) * N + n0, cpu_simd::f32x16(y));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// out [M, N] = x [M, K] @ W.T, W int4 in kernels/int4_pack.py's 64-row blocks with
+// scale_and_zero [K/G, N, 2] (s, zf); N % 64 == 0, K % 32 == 0, G even, all bfloat16.
+inline void linear_int4(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                        const uint8_t* packed, const c10::BFloat16* scale_and_zero, int64_t N,
+                        int64_t group_size) {
+  const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
+  linear_blocks(out, x, M, K, N, nullptr, [&](int64_t b, uint32_t* pairs) {
+    build_int4_pairs(packed + b * BLOCK_ROWS * K / 2, sz + b * BLOCK_ROWS, N, K, group_size,
+                     pairs);
+  });
+}
+
+}  // namespace cpu_amx_linear
+#endif  // AMX-TILE and AMX-BF16
