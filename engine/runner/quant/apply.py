@@ -45,7 +45,7 @@ CPU_FUSED_DEQUANT_MIN_ROWS = 32
 # x rows, so it keeps up with the prepacked bf16 kernel up to a batch-64 decode step. Measured
 # over SmolLM2's layers on the 2-core EPYC, one run: 32 rows 13.4 ms (bf16 13.5), 64 rows 25.2
 # (bf16 23.7), where dequantize + GEMM had made batch-64 decode 0.51x bf16 (benchmarks.quant).
-# With AMX the 16-bit GEMM is several times faster on many rows (not measured): 32 stays there.
+# With AMX: CPU_AMX_DEQUANT_MIN_ROWS below (AMX kernels), else 32 (oneDNN's AMX GEMM).
 CPU_INT4_KERNEL_DEQUANT_MIN_ROWS = 65
 # int8 layers whose int8_linear takes many bfloat16 rows (kernels/cpu_int8_rows.h: AVX512-BF16,
 # no AMX): 64-row blocks converted to bf16 pairs once per call, then vdpbf16ps like the int4
