@@ -14,10 +14,11 @@
 //
 // so a B tile (16 pairs of inputs x 16 output rows) is 16 rows of 64 bytes at a 256-byte
 // stride, and every 16 x rows are multiplied with them by tdpbf16ps into four 16 x 16 float32
-// accumulator tiles (products of bfloat16 are exact in float32, sums in float32). int8 pairs
-// are the stored values exactly and the per-row scale multiplies the float32 sum; int4 pairs
-// are the dequantized weights, q * s + (zf - 8 s) rounded to bfloat16 as dequant_int4 writes
-// them, so both paths multiply by the same 16-bit weight.
+// accumulator tiles (products of bfloat16 are exact in float32, sums in float32). That is
+// int4's scheme: its pairs are the dequantized weights, q * s + (zf - 8 s) rounded to bfloat16
+// as dequant_int4 writes them, so it multiplies by the same 16-bit weight as dequantize + GEMM.
+// int8 turns it around (weight rows as the A operand, below); its per-row scale multiplies the
+// float32 sums.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(CPU_INT8_ROWS) && \
@@ -77,14 +78,13 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// acc [16, 64] float32 = x [16, K] (row stride x_stride elements) @ the block's pairs.
-inline void block_product(const c10::BFloat16* x, int64_t x_stride, const uint32_t* pairs,
-                          int64_t K, float* acc) {
+// acc [16, 64] float32 = x [16, K] (contiguous rows) @ the block's pairs.
+inline void block_product(const c10::BFloat16* x, const uint32_t* pairs, int64_t K, float* acc) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t x_stride_bytes = x_stride * int64_t(sizeof(c10::BFloat16));
+  const int64_t x_stride_bytes = K * int64_t(sizeof(c10::BFloat16));
   for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
     const uint32_t* b = pairs + (k0 / 2) * QUARTERS * 16;
     _tile_loadd(4, x + k0, x_stride_bytes);
@@ -152,11 +152,11 @@ inline void build_int4_pairs(const uint8_t* block, const uint32_t* scale_zero, i
   }
 }
 
-// Calls block(b, pairs) to fill each 64-row block's pairs, then out [M, N] = x [M, K] @ W.T in
-// 16-row tiles; row_scales (64 floats per block) or nullptr scale the float32 sums.
+// Calls build(b, pairs) to fill each 64-row block's pairs, then out [M, N] = x [M, K] @ W.T
+// in 16-row tiles.
 template <typename BuildPairs>
 inline void linear_blocks(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
-                          int64_t N, const c10::BFloat16* row_scales, BuildPairs build) {
+                          int64_t N, BuildPairs build) {
   at::parallel_for(0, N / BLOCK_ROWS, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     std::vector<__m512i> buffer(size_t(K / 2 * QUARTERS));  // K/2 x 256 bytes, in L2
@@ -168,22 +168,16 @@ inline void linear_blocks(c10::BFloat16* out, const c10::BFloat16* x, int64_t M,
       std::memcpy(tail.data(), x + m0 * K, size_t((M - m0) * K) * sizeof(c10::BFloat16));
     }
     alignas(64) float acc[TILE_ROWS * BLOCK_ROWS];
-    alignas(64) float scales[BLOCK_ROWS];
     for (int64_t b = begin; b < end; ++b) {
       build(b, pairs);
-      for (int r = 0; r < BLOCK_ROWS; ++r) {
-        scales[r] = row_scales ? float(row_scales[b * BLOCK_ROWS + r]) : 1.0f;
-      }
       for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const int64_t rows = std::min<int64_t>(TILE_ROWS, M - m0);
-        const bool full = rows == TILE_ROWS;
-        block_product(full ? x + m0 * K : tail.data(), K, pairs, K, acc);
+        block_product(rows == TILE_ROWS ? x + m0 * K : tail.data(), pairs, K, acc);
         for (int64_t r = 0; r < rows; ++r) {
           c10::BFloat16* dst = out + (m0 + r) * N + b * BLOCK_ROWS;
           for (int j = 0; j < QUARTERS; ++j) {
-            const __m512 y = _mm512_mul_ps(_mm512_load_ps(acc + r * BLOCK_ROWS + j * 16),
-                                           _mm512_load_ps(scales + j * 16));
-            cpu_simd::store_bf16x16(dst + j * 16, cpu_simd::f32x16(y));
+            cpu_simd::store_bf16x16(dst + j * 16,
+                                    cpu_simd::f32x16(_mm512_load_ps(acc + r * BLOCK_ROWS + j * 16)));
           }
         }
       }
@@ -219,12 +213,7 @@ inline void build_x_pairs(const c10::BFloat16* x, int64_t M, int64_t K, uint32_t
 inline void widen_rows(const int8_t* q, int64_t K, c10::BFloat16* w) {
   for (int i = 0; i < 16; ++i) {
     for (int64_t k = 0; k < K; k += K_STEP) {
-      const int8_t* src = q + i * K + k;
-      const __m512 lo = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-      const __m512 hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-      _mm512_storeu_si512(w + i * K + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(w + i * K + k, cpu_int8_rows::widen32(q + i * K + k));
     }
   }
 }
@@ -309,7 +298,7 @@ inline void linear_int4(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, i
                         const uint8_t* packed, const c10::BFloat16* scale_and_zero, int64_t N,
                         int64_t group_size) {
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
-  linear_blocks(out, x, M, K, N, nullptr, [&](int64_t b, uint32_t* pairs) {
+  linear_blocks(out, x, M, K, N, [&](int64_t b, uint32_t* pairs) {
     build_int4_pairs(packed + b * BLOCK_ROWS * K / 2, sz + b * BLOCK_ROWS, N, K, group_size,
                      pairs);
   });

@@ -63,6 +63,15 @@ inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
+// 32 int8 values -> 32 bfloat16 in order (int8 -> int32 -> float32 -> bfloat16, all exact).
+inline __m512i widen32(const int8_t* src) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
 // A 64-row block of row-major int8 weights [64, K] -> pairs[(p * QUARTERS + quarter) * 16 +
 // lane], K % 32 == 0. Per 16 rows and 32 inputs: each row's 16 pairs become one vector
 // (int8 -> int32 -> float32 -> bfloat16, all exact), and a transpose turns the 16 row vectors
@@ -72,14 +81,7 @@ inline void build_pairs(const int8_t* block, int64_t K, uint32_t* pairs) {
     const int8_t* rows = block + int64_t(quarter) * 16 * K;
     for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
       __m512i r[16];
-      for (int i = 0; i < 16; ++i) {
-        const int8_t* src = rows + i * K + k0;
-        const __m512 lo = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-        const __m512 hi = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-        r[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-      }
+      for (int i = 0; i < 16; ++i) r[i] = widen32(rows + i * K + k0);
       transpose16(r);
       for (int c = 0; c < 16; ++c) {
         _mm512_store_si512(pairs + ((k0 / 2 + c) * QUARTERS + quarter) * 16, r[c]);

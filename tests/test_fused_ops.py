@@ -246,9 +246,7 @@ def test_int8_bf16_layers_take_a_batch_64_step_with_the_kernel(fused, monkeypatc
     int8_linear instead of dequantizing into a scratch for oneDNN (AMX CPUs keep 32)."""
     if not cpu_fused_ops.has_int8_rows_linear():
         pytest.skip("cpu_int8_rows.h needs AVX512-BF16")
-    from engine.runner.models.prepack import cpu_has_amx
     from engine.runner.quant.apply import (
-        CPU_AMX_DEQUANT_MIN_ROWS,
         CPU_FUSED_DEQUANT_MIN_ROWS,
         CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS,
     )
@@ -257,16 +255,27 @@ def test_int8_bf16_layers_take_a_batch_64_step_with_the_kernel(fused, monkeypatc
     calls = _count_rows(monkeypatch, "int8_linear")
     llm = LLM(quantization="int8", fused_ops=True, **{**COMMON, "dtype": "bfloat16"})
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int8Linear)]
-    expected = CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS
-    if cpu_has_amx():  # AMX tiles take the many rows, or (without them) dequantize + oneDNN
-        amx = cpu_fused_ops.has_amx_linear()
-        expected = CPU_AMX_DEQUANT_MIN_ROWS if amx else CPU_FUSED_DEQUANT_MIN_ROWS
+    expected = _many_rows_switch(CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS)
     assert all(m.rows_kernel and m.dequant_min_rows == expected for m in layers)
     out = llm.generate(PROMPTS, PARAMS)  # prefill chunks of up to 32 tokens, then 4-row decodes
     assert all(len(o.token_ids) == PARAMS.max_tokens for o in out)
     assert 1 in calls and 4 in calls
     if expected > CPU_FUSED_DEQUANT_MIN_ROWS:
         assert max(calls) >= CPU_FUSED_DEQUANT_MIN_ROWS  # a 32-token chunk: no dequantize
+
+
+def _many_rows_switch(without_amx: int) -> int:
+    """The rows from which bfloat16 quantized layers dequantize: `without_amx` on CPUs without
+    AMX (the vdpbf16ps kernels take a batch-64 step); on AMX CPUs CPU_AMX_DEQUANT_MIN_ROWS with
+    the AMX kernels, else CPU_FUSED_DEQUANT_MIN_ROWS (oneDNN's AMX GEMM)."""
+    from engine.runner.models.prepack import cpu_has_amx
+    from engine.runner.quant.apply import CPU_AMX_DEQUANT_MIN_ROWS, CPU_FUSED_DEQUANT_MIN_ROWS
+
+    if not cpu_has_amx():
+        return without_amx
+    return (
+        CPU_AMX_DEQUANT_MIN_ROWS if cpu_fused_ops.has_amx_linear() else CPU_FUSED_DEQUANT_MIN_ROWS
+    )
 
 
 def _amx_kernels(fused) -> None:
@@ -402,17 +411,9 @@ def test_int4_bf16_decode_runs_the_cpp_kernel(fused, monkeypatch):
     assert layer.bf16_kernel
     # Up to a batch-64 step through the kernel (it reuses a block's pairs across rows); on AMX
     # CPUs up to CPU_AMX_DEQUANT_MIN_ROWS with the AMX tiles (without them: dequantize + GEMM).
-    from engine.runner.models.prepack import cpu_has_amx
-    from engine.runner.quant.apply import (
-        CPU_AMX_DEQUANT_MIN_ROWS,
-        CPU_FUSED_DEQUANT_MIN_ROWS,
-        CPU_INT4_KERNEL_DEQUANT_MIN_ROWS,
-    )
+    from engine.runner.quant.apply import CPU_INT4_KERNEL_DEQUANT_MIN_ROWS
 
-    expected = CPU_INT4_KERNEL_DEQUANT_MIN_ROWS
-    if cpu_has_amx():
-        amx = cpu_fused_ops.has_amx_linear()
-        expected = CPU_AMX_DEQUANT_MIN_ROWS if amx else CPU_FUSED_DEQUANT_MIN_ROWS
+    expected = _many_rows_switch(CPU_INT4_KERNEL_DEQUANT_MIN_ROWS)
     assert layer.dequant_min_rows == expected
     x = torch.randn(3, layer.in_features).bfloat16()
     aten = torch._weight_int4pack_mm_for_cpu(

@@ -85,13 +85,15 @@ def _share_cpu_kernels(model: LlamaForCausalLM, ops: TorchOps, summary: QuantSum
         return summary
     # 0 stays 0: no weight-only kernel here (aten's int4 layout differs), always dequantize.
     rows = CPU_FUSED_DEQUANT_MIN_ROWS if summary.dequant_min_rows else 0
-    # The kernels that take a batch-64 step: AMX tiles where the CPU has them, else vdpbf16ps.
-    amx = bool(rows) and cpu_has_amx() and ops.kernels.has_amx_linear()
-    many = rows and not cpu_has_amx()
-    int4_kernel_rows = CPU_INT4_KERNEL_DEQUANT_MIN_ROWS if many else rows
-    int8_kernel_rows = CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS if many else rows
-    if amx:
-        int4_kernel_rows = int8_kernel_rows = CPU_AMX_DEQUANT_MIN_ROWS
+    # Where the C++ kernels also take a batch-64 step: AMX tiles on CPUs that have them (else
+    # oneDNN's AMX GEMM from `rows`), vdpbf16ps on the others.
+    int4_kernel_rows = int8_kernel_rows = rows
+    if rows and cpu_has_amx():
+        if ops.kernels.has_amx_linear():
+            int4_kernel_rows = int8_kernel_rows = CPU_AMX_DEQUANT_MIN_ROWS
+    elif rows:
+        int4_kernel_rows = CPU_INT4_KERNEL_DEQUANT_MIN_ROWS
+        int8_kernel_rows = CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.use_cpu_kernels(ops.kernels)
