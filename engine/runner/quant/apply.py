@@ -57,7 +57,7 @@ CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS = 65
 # multiply many rows with AMX tiles, converting the weight to 16-bit once per call in L2, where
 # dequantize + GEMM wrote the whole 16-bit weight and oneDNN reordered it on every call.
 # Measured per SmolLM2 layer shape on a 2-core Xeon (AMX), us, AMX kernel vs dequantize +
-# oneDNN: 64 rows gate_up 180-250 vs 390-480, LM head 3100-3800 vs 6700-7600; 100 rows gate_up
+# oneDNN: 64 rows gate_up 180-265 vs 390-480, LM head 3100-5500 vs 6700-7600; 100 rows gate_up
 # 267 vs 434; 512 rows level (gate_up 1017 vs 985, down 453 vs 497). Unmeasured between 100 and
 # 512: the switch sits in between.
 CPU_AMX_DEQUANT_MIN_ROWS = 256
