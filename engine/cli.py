@@ -59,9 +59,12 @@ FLAG_HELP: dict[str, str] = {
     "prompt_lookup_min": "ngram drafts: shortest suffix looked up (tokens)",
     "quantization": "weight-only: int8 per output channel (W8A16) or int4 round-to-nearest per "
     "group, every linear layer and the LM head (embeddings and norms stay 16-bit); awq: load "
-    "an AutoAWQ GEMM checkpoint folder (its LM head stays 16-bit)",
+    "an AutoAWQ GEMM checkpoint folder",
     "quantization_group_size": "int4: input features per scale/zero pair (must divide every "
     "layer's input size: SmolLM2's 576 takes 32 or 64)",
+    "quantize_lm_head": "quantized weights: the LM head too (awq: int4 round-to-nearest at the "
+    "checkpoint's group size, since AutoAWQ leaves it 16-bit); --no-quantize-lm-head keeps it "
+    "16-bit",
     "attention_backend": (
         "auto = Triton kernels on CUDA, cpu on CPU; cpu = the C++ paged kernel (reads KV "
         "blocks in place; the torch path, with a warning, without a C++ compiler); torch = "

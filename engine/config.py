@@ -93,6 +93,10 @@ class EngineConfig:
     # --- weights ---
     quantization: Quantization = "none"
     quantization_group_size: int = 64  # int4: input features per scale/zero (32, 64 or 128)
+    # The LM head too (~21% of SmolLM2-135M's weights, read in full every step): int8/int4 in
+    # their own format; awq as int4 round-to-nearest at the checkpoint's group size (AutoAWQ
+    # leaves it 16-bit). False keeps it 16-bit, as vLLM loads AWQ checkpoints.
+    quantize_lm_head: bool = True
 
     # --- execution ---
     attention_backend: AttentionBackend = "auto"

@@ -99,21 +99,22 @@ def weight_format_text(config: EngineConfig, dtype: str) -> str:
     if config.quantization == "none":
         return f"matmul weights {dtype}"
     if config.quantization == "awq":
-        return (
-            f"matmul weights int4 from an AutoAWQ checkpoint in every decoder linear layer; "
-            f"the embedding, norms, biases and LM head stay {dtype}"
-        )
-    if config.quantization == "int8":
-        kind = "int8 weight-only (a scale per output channel)"
+        kind = "int4 from an AutoAWQ checkpoint in every decoder linear layer"
+        head = "int4 round-to-nearest (not in the checkpoint)"
+    elif config.quantization == "int8":
+        kind = "int8 weight-only (a scale per output channel) in every linear layer"
+        head = "int8"
     else:
         kind = (
             f"int4 weight-only (round-to-nearest, a scale and zero per "
-            f"{config.quantization_group_size} inputs)"
+            f"{config.quantization_group_size} inputs) in every linear layer"
         )
-    return (
-        f"matmul weights {kind} in every linear layer and the LM head; the embedding, norms "
-        f"and biases stay {dtype}"
-    )
+        head = "int4"
+    if config.quantize_lm_head:
+        return (
+            f"matmul weights {kind}, LM head {head}; the embedding, norms and biases stay {dtype}"
+        )
+    return f"matmul weights {kind}; the embedding, norms, biases and LM head stay {dtype}"
 
 
 def describe(info: EngineInfo) -> str:

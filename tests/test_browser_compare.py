@@ -1,6 +1,7 @@
 """Compare, Load test and KV calculator in a real browser (Debian's Chromium through
 Playwright, as tests/test_browser.py, whose app and page fixtures this reuses): switching
-presets resets the form (the KV preset sets side B to int8; n and prompt sharing included);
+presets resets the form (the KV preset sets side B to int8; n and prompt sharing included; the
+LM-head preset sets the weight toggles);
 Stop in the Load test reports the aborted requests; the KV memory fraction typed + Enter never
 raises. Needs /usr/bin/chromium; never downloads a browser."""
 
@@ -84,6 +85,26 @@ def test_kv_preset_sets_int8_on_side_b_and_the_budget(page):
     expect(page.locator("#compare-headline")).to_contain_text("Most requests running at once")
     budget = "KV budget (tokens at the model dtype; the same bytes on both sides)"
     expect(_number(page, "tab-compare", budget)).to_have_value("1152")
+
+
+def test_lm_head_preset_sets_the_weight_toggles_of_both_sides(page):
+    """The weight format and the LM-head toggle are in both side forms (issue 13): the preset
+    sets awq on both, the head 16-bit on A and quantized on B; the next preset resets them."""
+    open_tab(page, "Compare")
+    awq = [page.locator(f"#compare-{s}-weights").get_by_label("awq", exact=True)
+           for s in ("a", "b")]  # fmt: skip
+    head = page.locator("#tab-compare").get_by_label("Quantized weights: the LM head too")
+    expect(awq[0]).not_to_be_checked()
+    expect(head.nth(0)).to_be_checked()  # default: quantized with the rest
+    _pick(page, "tab-compare", "Preset", "AWQ weights: LM head 16-bit vs int4")
+    expect(awq[0]).to_be_checked()
+    expect(awq[1]).to_be_checked()
+    expect(head.nth(0)).not_to_be_checked()
+    expect(head.nth(1)).to_be_checked()
+    expect(page.locator("#compare-headline")).to_contain_text("Mean TPOT")
+    _pick(page, "tab-compare", "Preset", STATIC)
+    expect(awq[0]).not_to_be_checked()
+    expect(head.nth(0)).to_be_checked()
 
 
 def test_stop_in_the_load_test_reports_the_aborted_requests(page):

@@ -9,11 +9,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.runner.models.presets import MODEL_PRESETS
 from engine.runner.quant.awq import AWQ_ORDER, check_awq_config, pack_awq_int32, unpack_awq_int32
 from engine.runner.quant.formats import Int4Weight, dequantize_int4, quantize_int4
+from engine.runner.quant.linear import Int4Linear
 
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
               "zero_point": True}  # fmt: skip
@@ -105,22 +107,54 @@ def _folders(tmp_path, drop: str | None = None):
 ENGINE = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128}
 
 
+PROMPTS = [[(13 * i + j) % 49152 for j in range(3 + 11 * i)] for i in range(8)]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
 def test_awq_greedy_equals_plain_torch_with_the_dequantized_weights(tmp_path):
+    """The checkpoint as it is (--no-quantize-lm-head): int4 decoder linears, 16-bit LM head."""
     awq_dir, plain_dir = _folders(tmp_path)
-    awq = LLM(model=awq_dir, quantization="awq", **ENGINE)
+    awq = LLM(model=awq_dir, quantization="awq", quantize_lm_head=False, **ENGINE)
     summary = awq.engine.runner.quant_summary
     assert summary.method == "awq" and summary.group_size == 32
     assert summary.linear_params == ARCH.num_layers * awq.engine.shape.layer_linear_params
+    assert awq.engine.runner.model.lm_head is None  # still the tied embedding
     # The cost model's bytes per step: the int4 decoder linears plus the 16-bit (here float32)
-    # LM head AutoAWQ leaves unquantized, which a step reads in full.
+    # LM head, which a step reads in full.
     shape = awq.engine.shape
     head_bytes = ARCH.vocab_size * ARCH.hidden_size * 4
     assert shape.weight_bytes == summary.linear_bytes + head_bytes + shape.norm_params * 4
+    assert _greedy(awq) == _greedy(LLM(model=plain_dir, **ENGINE))
+
+
+def test_awq_lm_head_gets_an_int4_round_to_nearest_copy(tmp_path):
+    """By default the LM head AutoAWQ leaves 16-bit is quantized as `int4` would at the
+    checkpoint's group size; greedy output equals the plain folder with that head dequantized
+    (an untied float32 head), and the cost model reads 4-bit head bytes."""
+    awq_dir, plain_dir = _folders(tmp_path)
+    awq = LLM(model=awq_dir, quantization="awq", **ENGINE)
+    model = awq.engine.runner.model
+    head = model.lm_head
+    assert isinstance(head, Int4Linear) and head.group_size == 32
+    assert model.embed_tokens.weight.dtype == torch.float32  # the embedding stays as it was
+    rtn = dequantize_int4(quantize_int4(model.embed_tokens.weight, 32))
+    torch.testing.assert_close(head.dequantized_weight(), rtn, rtol=0, atol=1e-6)
+    summary = awq.engine.runner.quant_summary
+    layer_params = ARCH.num_layers * awq.engine.shape.layer_linear_params
+    assert summary.linear_params == layer_params + ARCH.vocab_size * ARCH.hidden_size
+    shape = awq.engine.shape
+    assert shape.weight_bytes == summary.linear_bytes + shape.norm_params * 4
     plain = LLM(model=plain_dir, **ENGINE)
-    prompts = [[(13 * i + j) % 49152 for j in range(3 + 11 * i)] for i in range(8)]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    got = [o.token_ids for o in awq.generate(prompts, params)]
-    assert got == [o.token_ids for o in plain.generate(prompts, params)]
+    dst = plain.engine.runner.model
+    with torch.no_grad():
+        twin_head = nn.Linear(ARCH.hidden_size, ARCH.vocab_size, bias=False)
+        twin_head.weight.copy_(head.dequantized_weight())
+        dst.lm_head = twin_head.requires_grad_(False)
+    assert _greedy(awq) == _greedy(plain)
 
 
 def test_bad_awq_inputs_are_clear_errors(tmp_path):

@@ -84,6 +84,36 @@ def test_greedy_output_equals_plain_torch_with_dequantized_weights(quantized):
     assert small == want[:3]
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_no_quantize_lm_head_keeps_the_head_16_bit(method, make_llm):
+    """--no-quantize-lm-head: the decoder linears quantized, the tied head still the embedding
+    table (no copy); greedy output equals the plain model with only those linears dequantized,
+    and the cost model reads the head at the model dtype."""
+    c = {**TINY, "quantization": method, "quantization_group_size": 32}
+    keep = LLM(**c, quantize_lm_head=False)
+    model = keep.engine.runner.model
+    assert model.lm_head is None
+    quant = [name for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 4 * len(model.layers) and "lm_head" not in quant
+    twin = LLM(**TINY)  # its weights are changed below: not a shared engine
+    with torch.no_grad():
+        for q, lin in zip(
+            [m for m in model.modules() if isinstance(m, QuantLinear)],
+            [m for m in twin.engine.runner.model.modules() if isinstance(m, nn.Linear)],
+            strict=True,
+        ):
+            lin.weight.copy_(q.dequantized_weight())
+    prompts = [[(11 * i + j) % 49152 for j in range(3 + 5 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in keep.generate(prompts, params)]
+    assert got == [o.token_ids for o in twin.generate(prompts, params)]
+    head_bytes = model.embed_tokens.weight.numel() * 4
+    summary, shape = keep.engine.runner.quant_summary, keep.engine.shape
+    assert shape.weight_bytes == summary.linear_bytes + head_bytes + shape.norm_params * 4
+    full = make_llm(**c).engine.shape
+    assert full.weight_bytes < shape.weight_bytes
+
+
 def test_cost_model_counts_quantized_bytes(quantized, make_llm):
     base = make_llm(**TINY).engine.shape
     shape = quantized.engine.shape

@@ -14,6 +14,7 @@ from playground.engine_info import EngineInfo, describe
 from playground.handlers.compare import SideOutcome, compare_rows
 from playground.handlers.compare_engine import (
     AWQ_PRESET,
+    LM_HEAD_PRESET,
     PRESET_DEFAULTS,
     PRESETS,
     preset_form,
@@ -35,12 +36,15 @@ def _info(config: EngineConfig = INT4, weight_bytes: int = 132_338_304) -> Engin
 def test_header_names_the_format_what_stays_16_bit_and_the_bytes():
     header = describe(_info())
     assert "int4 weight-only (round-to-nearest, a scale and zero per 64 inputs)" in header
-    assert "the embedding, norms and biases stay bfloat16: 132.3 MB" in header
+    assert "LM head int4; the embedding, norms and biases stay bfloat16: 132.3 MB" in header
     plain = describe(_info(EngineConfig(), 269_030_016))
     assert "matmul weights bfloat16: 269.0 MB" in plain
-    awq = describe(_info(EngineConfig(quantization="awq"), 150_000_000))
-    assert "int4 from an AutoAWQ checkpoint" in awq and "biases and LM head stay bfloat16" in awq
+    awq = describe(_info(EngineConfig(quantization="awq"), 75_000_000))
+    assert "int4 from an AutoAWQ checkpoint in every decoder linear layer, LM head int4 " in awq
+    assert "round-to-nearest (not in the checkpoint); the embedding, norms and biases" in awq
     assert "weights: AutoAWQ checkpoint of the Q4_1 GGUF (embedded" in awq
+    kept = describe(_info(EngineConfig(quantization="awq", quantize_lm_head=False), 116_400_000))
+    assert "decoder linear layer; the embedding, norms, biases and LM head stay bfloat16" in kept
 
 
 def test_kv_loaded_model_counts_the_engines_stored_weight_bytes():
@@ -91,6 +95,15 @@ def test_quantization_presets_and_side_configs():
     assert PRESET_DEFAULTS[AWQ_PRESET].headline.startswith("Held-out perplexity")
     other = preset_form("max_num_seqs 2 vs 8")
     assert other["A"]["quantization"] == other["B"]["quantization"] == "none"
+    assert other["A"]["quantize_lm_head"] and other["B"]["quantize_lm_head"]
+    head = preset_form(LM_HEAD_PRESET)
+    a, b = head["A"], head["B"]
+    assert a["quantization"] == b["quantization"] == "awq"
+    assert (a["quantize_lm_head"], b["quantize_lm_head"]) == (False, True)
+    base = EngineConfig(model="random:tiny")
+    assert not side_config(base, a, 1024, 256, head_dim=64).quantize_lm_head
+    assert side_config(base, b, 1024, 256, head_dim=64).quantize_lm_head
+    assert side_label("A", a, b) == "A: quantize_lm_head=False"
 
 
 def test_info_fields_are_what_engine_info_reads():

@@ -34,6 +34,7 @@ class WeightFormat:
     quantization: str  # "none" | "int8" | "int4" | "awq"
     group_size: int  # int4: input features per scale/zero pair
     seed: int  # random:<preset> weights
+    quantize_lm_head: bool = True  # quantized formats: the LM head too (awq: RTN int4)
 
 
 def build_model(
@@ -60,7 +61,9 @@ def build_model(
                 f"{field}: {source.name} is an AutoAWQ checkpoint; load it with quantization='awq'"
             )
         group_size = check_awq_config(source.quant_config, source.name)
-        summary = load_awq(model, iter_safetensors(source.weights_dir), group_size, dtype)
+        summary = load_awq(
+            model, iter_safetensors(source.weights_dir), group_size, dtype, fmt.quantize_lm_head
+        )
         model.init_rope()
         summary = _share_cpu_kernels(model, ops, summary)
         return model.eval().requires_grad_(False), summary
@@ -72,7 +75,9 @@ def build_model(
     model = model.eval().requires_grad_(False)
     summary = None
     if fmt.quantization != "none":
-        summary = quantize_model(model, fmt.quantization, fmt.group_size, dtype)
+        summary = quantize_model(
+            model, fmt.quantization, fmt.group_size, dtype, fmt.quantize_lm_head
+        )
         summary = _share_cpu_kernels(model, ops, summary)
     return model, summary
 

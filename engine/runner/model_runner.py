@@ -147,9 +147,8 @@ class ModelRunner:
         )
 
     def _load_model(self, source: ModelSource) -> LlamaForCausalLM:
-        fmt = WeightFormat(
-            self.config.quantization, self.config.quantization_group_size, self.config.seed
-        )
+        c = self.config
+        fmt = WeightFormat(c.quantization, c.quantization_group_size, c.seed, c.quantize_lm_head)
         model, self.quant_summary = build_model(
             source, self.max_model_len, self.attn_backend, self.device, self.dtype, fmt,
             self.layer_ops,
@@ -453,7 +452,7 @@ class ModelRunner:
             return None
         if isinstance(self.model.lm_head, QuantLinear):
             return summary.linear_bytes_per_param
-        # AWQ checkpoints leave the LM head 16-bit; every step reads it all the same. (Its
+        # A 16-bit LM head (--no-quantize-lm-head); every step reads it all the same. (Its
         # shape, not its weight: a prepacked head has no plain weight to read.)
         head_params = self.arch.vocab_size * self.arch.hidden_size
         head_bytes = head_params * self.dtype.itemsize

@@ -37,6 +37,7 @@ SIDE_FIELDS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "quantization",
+    "quantize_lm_head",
     "prepack_weights",
     "fused_ops",
     "enforce_eager",
@@ -53,6 +54,7 @@ DEFAULT_SIDE: dict[str, Any] = {
     "max_num_seqs": 8,
     "max_num_batched_tokens": 256,
     "quantization": "none",
+    "quantize_lm_head": True,
     "prepack_weights": True,
     "fused_ops": True,
     "enforce_eager": False,
@@ -63,6 +65,7 @@ EAGER_PRESET = "products through nn.Module vs direct kernel calls (enforce_eager
 KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
 N_SHARING_PRESET = "n=4 with vs without prompt sharing"
 AWQ_PRESET = "int4 RTN vs AWQ weights (after bf16 vs int4)"
+LM_HEAD_PRESET = "AWQ weights: LM head 16-bit vs int4"
 DRAFT_PRESET = "speculative decoding off vs draft model"
 # speculative_method="draft" in the side forms: the target's own weights in int8 drafts (in
 # benchmarks.spec's chat runs the int8 copy was accepted 85-96 % per position, int4 31-68 %).
@@ -106,6 +109,12 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     AWQ_PRESET: (
         {"quantization": "int4", "max_num_seqs": 1},
         {"quantization": "awq", "max_num_seqs": 1},
+    ),
+    # AutoAWQ leaves the LM head 16-bit (~21% of SmolLM2's weights, read in full every step);
+    # the engine quantizes it like int4 unless told not to.
+    LM_HEAD_PRESET: (
+        {"quantization": "awq", "quantize_lm_head": False, "max_num_seqs": 1},
+        {"quantization": "awq", "quantize_lm_head": True, "max_num_seqs": 1},
     ),
     # CPU: oneDNN's per-call weight reorder is the larger share of a matmul at batch 1.
     PREPACK_PRESET: (
@@ -258,6 +267,9 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     "bf16 vs int4 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     # Same speed expected (one kernel, one format): the point is the perplexity row.
     AWQ_PRESET: PresetDefaults("Held-out perplexity (256 tokens of pydoc text)", QUANT_WORKLOAD),
+    # One request at a time: the head's bytes are a share of every step's read; the perplexity
+    # and same-tokens rows show what the 4-bit head costs.
+    LM_HEAD_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     # The same workload: one request at a time, so each decode matmul has one row and the
     # weight reorder oneDNN does per call is most of it. "Same tokens as A" shows that
     # prepacking changes no number. (On a GPU or in float32 both sides run the same path.)
@@ -386,6 +398,7 @@ def side_config(
     # The main engine's fp8 scale settings go to an fp8 side only (refused with other formats).
     return base.with_kv_cache_dtype(kv_cache_dtype).replace(
         quantization=side.get("quantization", "none"),
+        quantize_lm_head=bool(side.get("quantize_lm_head", True)),
         batching=side["batching"],
         kv_layout=side["kv_layout"],
         enable_prefix_caching=prefix_caching,

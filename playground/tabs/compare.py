@@ -97,11 +97,15 @@ def _side_form(name: str, values: dict) -> dict:
     parts["quantization"] = gr.Radio(
         literal_choices()["quantization"],
         value=values["quantization"],
-        label="Weights: int8 / int4 (round-to-nearest) weight-only in every linear and the LM "
-        "head; awq: int4 from an AutoAWQ checkpoint in the decoder layers (the embedded model's "
-        "is made once by `make quantize`, or on first use: minutes). The embedding and norms "
-        "stay 16-bit",
+        label="Weights: int8 / int4 (round-to-nearest) weight-only in every linear layer; awq: "
+        "int4 from an AutoAWQ checkpoint in the decoder layers (the embedded model's is made "
+        "once by `make quantize`, or on first use: minutes). The embedding and norms stay 16-bit",
         elem_id=f"compare-{name.lower()}-weights",
+    )
+    parts["quantize_lm_head"] = gr.Checkbox(
+        value=values["quantize_lm_head"],
+        label="Quantized weights: the LM head too (int8 / int4; awq: int4 round-to-nearest, "
+        "as AutoAWQ leaves it 16-bit)",
     )
     parts["prepack_weights"] = gr.Checkbox(
         value=values["prepack_weights"],

@@ -4,7 +4,10 @@ handler per scheme, run once at load), and give a tied LM head its own quantized
 What stays 16-bit: the embedding table (a step gathers a few rows of it, so its size costs
 memory but no time), the RMSNorm weights and any biases. With tied embeddings the LM head is
 the embedding table; it is read in full every step (~21% of SmolLM2-135M's weights), so it gets
-a quantized copy and the embedding stays as it was.
+a quantized copy and the embedding stays as it was. An AutoAWQ checkpoint leaves the LM head
+16-bit; it gets the same round-to-nearest int4 copy as `int4` at the checkpoint's group size
+(AWQ's activation-aware scales fold into the previous op, and the head has none it could take).
+`quantize_lm_head=False` keeps the head 16-bit in every format.
 """
 
 from __future__ import annotations
@@ -90,10 +93,15 @@ class QuantSummary:
 
 
 def quantize_model(
-    model: LlamaForCausalLM, method: str, group_size: int, dtype: torch.dtype
+    model: LlamaForCausalLM,
+    method: str,
+    group_size: int,
+    dtype: torch.dtype,
+    quantize_lm_head: bool = True,
 ) -> QuantSummary:
-    """Replace every decoder linear and the LM head in place; ValueError naming the field if a
-    layer's shape does not fit the format (e.g. group 128 with in_features 576)."""
+    """Replace every decoder linear and (`quantize_lm_head`) the LM head in place; ValueError
+    naming the field if a layer's shape does not fit the format (e.g. group 128 with
+    in_features 576)."""
     device = model.embed_tokens.weight.device
     linears = [(module, attr, f"layers.{i}.{attr}") for i, layer in enumerate(model.layers)
                for module, attr in _layer_linears(layer)]  # fmt: skip
@@ -101,14 +109,16 @@ def quantize_model(
         for module, attr, name in linears:
             lin = getattr(module, attr)
             check_int4_shape(lin.out_features, lin.in_features, group_size, name)
-        check_int4_shape(*model.lm_head_weight.shape, group_size, "lm_head")
+        if quantize_lm_head:
+            check_int4_shape(*model.lm_head_weight.shape, group_size, "lm_head")
     largest = max(getattr(m, a).weight.numel() for m, a, _ in linears)
     min_rows = _dequant_min_rows(method, device)
     make = _maker(method, group_size, dtype, DequantScratch(largest, dtype, device), min_rows)
     for module, attr, _ in linears:
         lin = getattr(module, attr)
         setattr(module, attr, make(lin.weight, lin.bias))
-    model.lm_head = make(model.lm_head_weight, None)  # a copy: a tied embedding stays 16-bit
+    if quantize_lm_head:
+        model.lm_head = make(model.lm_head_weight, None)  # a copy: a tied embedding stays 16-bit
     return _summary(model, method, group_size, min_rows)
 
 
@@ -117,11 +127,14 @@ def load_awq(
     tensors: Iterable[tuple[str, torch.Tensor]],
     group_size: int,
     dtype: torch.dtype,
+    quantize_lm_head: bool = True,
 ) -> QuantSummary:
     """Load an AutoAWQ GEMM checkpoint (engine/runner/quant/awq.py): each decoder linear
     becomes an Int4Linear from its qweight/qzeros/scales (q/k/v and gate/up concatenated
     along N), everything else (embedding, norms with AWQ's folded scales, biases, an untied
-    LM head) loads as 16-bit tensors. ValueError names a missing or misshapen tensor."""
+    LM head) loads as 16-bit tensors; then, with `quantize_lm_head`, the LM head gets a
+    round-to-nearest int4 copy at the checkpoint's group size. ValueError names a missing or
+    misshapen tensor."""
     device = model.embed_tokens.weight.device
     packed: dict[str, dict[str, torch.Tensor]] = {}
     plain = []
@@ -151,6 +164,10 @@ def load_awq(
         bias = None if old.bias is None else torch.zeros_like(old.bias)  # loaded below
         setattr(module, attr, Int4Linear(weight, bias, dtype, scratch, min_rows))
     model.load_hf_weights(plain)
+    if quantize_lm_head:
+        head = model.lm_head_weight
+        check_int4_shape(*head.shape, group_size, "lm_head")
+        model.lm_head = Int4Linear(quantize_int4(head, group_size), None, dtype, scratch, min_rows)
     return _summary(model, "awq", group_size, min_rows)
 
 
