@@ -21,12 +21,11 @@
 // float32 sums.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(CPU_INT8_ROWS) && \
-    defined(CPU_INT4_LINEAR)
+#include "cpu_amx_tiles.h"
+
+#if defined(CPU_AMX_TILES) && defined(CPU_INT8_ROWS) && defined(CPU_INT4_LINEAR)
 #define CPU_AMX_LINEAR 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -48,33 +47,14 @@ constexpr int TILE_ROWS = 16;   // x rows per A tile
 constexpr int K_STEP = 32;      // inputs per tile product (16 pairs)
 constexpr int PAIR_ROW_BYTES = BLOCK_ROWS * 4;  // one pair of inputs for the block's 64 rows
 
-// Linux gives a process AMX's 8 KB of tile state only when it asks (arch_prctl, Linux 5.16+);
-// oneDNN asks when it first runs an AMX kernel, which may be after our first call.
-inline bool tiles_permitted() {
-  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
-  constexpr int XFEATURE_XTILEDATA = 18;
-  static const bool granted =
-      syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
+using cpu_amx_tiles::tiles_permitted;
 
 // Tiles 0-3: the four 16 x 16 float32 accumulators; 4: 16 x rows x 32 inputs; 5, 6: B tiles
 // (two, so a load overlaps the previous product). All 16 rows of 64 bytes. The configuration is
 // per thread and other code (oneDNN) loads its own between our calls: set at each call's start.
 inline void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = TILE_ROWS;
-  }
+  cpu_amx_tiles::TileConfig config;
+  for (int t = 0; t < 7; ++t) config.set(t, TILE_ROWS, 64);
   _tile_loadconfig(&config);
 }
 
@@ -203,7 +183,7 @@ inline void build_x_pairs(const c10::BFloat16* x, int64_t M, int64_t K, uint32_t
         const int64_t m = t * TILE_ROWS + i;
         r[i] = m < M ? _mm512_loadu_si512(x + m * K + 2 * p0) : _mm512_setzero_si512();
       }
-      cpu_int8_rows::transpose16(r);
+      cpu_simd::transpose16(r);
       for (int c = 0; c < 16; ++c) _mm512_storeu_si512(xp + (t * K / 2 + p0 + c) * 16, r[c]);
     }
   }
@@ -279,7 +259,7 @@ inline void linear_int8(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, i
         for (int64_t t = 0; t < tiles; ++t) {
           __m512i r[16];  // r[n] lane i: output (x row 16 (t0 + t) + i, weight row n0 + n)
           for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(acc[t] + n * 16);
-          cpu_int8_rows::transpose16(r);
+          cpu_simd::transpose16(r);
           const int64_t m0 = (t0 + t) * TILE_ROWS;
           for (int64_t i = 0; i < std::min<int64_t>(TILE_ROWS, M - m0); ++i) {
             const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(r[i]), s);

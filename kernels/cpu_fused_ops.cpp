@@ -141,7 +141,10 @@ void rope_impl(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torc
 // silu(g) = g * sigmoid(g); sigmoid through exp(-|g|) <= 1, which cannot overflow.
 inline f32x16 silu(f32x16 g) {
   const f32x16 e = exp_nonpositive(g < 0 ? g : -g);
-  const f32x16 sigmoid = g < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+  // One division (the numerator selected first): with the two quotients written out, both were
+  // computed and then selected, and a 16-lane division is ~16 cycles (silu_mul at 552 rows:
+  // 502 us before).
+  const f32x16 sigmoid = (g < 0 ? e : 1.0f + f32x16{}) / (1.0f + e);
   return g * sigmoid;
 }
 

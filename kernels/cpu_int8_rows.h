@@ -35,34 +35,6 @@ constexpr int QUARTERS = 4;   // 16-row vectors per block
 constexpr int TILE_M = 4;     // x rows per pass over a block's pairs
 constexpr int K_STEP = 32;    // inputs converted per row at a time (16 pairs)
 
-// 16 vectors of 16 32-bit lanes transposed in registers: r[i][c] -> r[c][i]. Two interleaving
-// stages within 128-bit lanes, then two 128-bit lane shuffles (64 shuffles for 256 lanes).
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16], u[16];
-  for (int m = 0; m < 8; ++m) {
-    t[2 * m] = _mm512_unpacklo_epi32(r[2 * m], r[2 * m + 1]);
-    t[2 * m + 1] = _mm512_unpackhi_epi32(r[2 * m], r[2 * m + 1]);
-  }
-  // u[4n + d], 128-bit lane L: column 4L + d of rows 4n .. 4n + 3.
-  for (int n = 0; n < 4; ++n) {
-    u[4 * n] = _mm512_unpacklo_epi64(t[4 * n], t[4 * n + 2]);
-    u[4 * n + 1] = _mm512_unpackhi_epi64(t[4 * n], t[4 * n + 2]);
-    u[4 * n + 2] = _mm512_unpacklo_epi64(t[4 * n + 1], t[4 * n + 3]);
-    u[4 * n + 3] = _mm512_unpackhi_epi64(t[4 * n + 1], t[4 * n + 3]);
-  }
-  // Column 4L + d gathers lane L of u[d], u[4 + d], u[8 + d], u[12 + d].
-  for (int d = 0; d < 4; ++d) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0x88);  // lanes 0, 2
-    const __m512i v1 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0xDD);  // lanes 1, 3
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0x88);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0xDD);
-    r[d] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    r[8 + d] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    r[4 + d] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[12 + d] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
-}
-
 // 32 int8 values -> 32 bfloat16 in order (int8 -> int32 -> float32 -> bfloat16, all exact).
 inline __m512i widen32(const int8_t* src) {
   const __m512 lo = _mm512_cvtepi32_ps(
@@ -82,7 +54,7 @@ inline void build_pairs(const int8_t* block, int64_t K, uint32_t* pairs) {
     for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = widen32(rows + i * K + k0);
-      transpose16(r);
+      cpu_simd::transpose16(r);
       for (int c = 0; c < 16; ++c) {
         _mm512_store_si512(pairs + ((k0 / 2 + c) * QUARTERS + quarter) * 16, r[c]);
       }

@@ -24,6 +24,7 @@
 
 #include "cpu_simd.h"
 #include "cpu_decode_bf16.h"
+#include "cpu_prefill_amx.h"
 
 #include <algorithm>
 #include <tuple>
@@ -320,24 +321,82 @@ bool attend_decode_fast(FastDecode fast, const Problem& p, const WorkItem& item,
   return false;
 }
 
+// Items of at least this many query tokens go to cpu_prefill_amx.h where the CPU has AMX: a
+// group of 16 keys costs a K transpose and a V interleave whatever the rows, which only pays
+// with several query tokens sharing it (prefill chunks; speculative verification's few tokens
+// stay on the row path).
+constexpr int AMX_MIN_QUERIES = 8;
+
+// True if the AMX kernel can take this call's multi-token items.
+template <typename Q, typename C>
+bool amx_prefill(const Problem& p) {
+#if defined(CPU_PREFILL_AMX)
+  if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, Q>) {
+    return cpu_prefill_amx::supports(p.head_dim) && cpu_prefill_amx::available();
+  }
+#endif
+  return false;
+}
+
+#if defined(CPU_PREFILL_AMX)
+// The item as cpu_prefill_amx.h takes it (bfloat16 query and cache).
+cpu_prefill_amx::Item amx_item(const Problem& p, const WorkItem& item, int kv_head,
+                               const c10::BFloat16* query, c10::BFloat16* out) {
+  const int ctx = p.seq_lens[item.seq];
+  const int q_len = p.query_start_loc[item.seq + 1] - p.query_start_loc[item.seq];
+  const int first_pos = ctx - q_len + item.first_query;
+  const int64_t token0 = p.query_start_loc[item.seq] + item.first_query;
+  const int64_t head0 = int64_t(kv_head) * p.group;
+  const int32_t* table = p.block_tables + int64_t(item.seq) * p.table_stride;
+  auto rows = [&](const CacheView& c) {
+    return cpu_prefill_amx::Rows{
+        static_cast<const c10::BFloat16*>(c.data) + kv_head * c.head_stride, c.block_stride,
+        c.token_stride, table, p.block_size};
+  };
+  return {query + token0 * p.q_token_stride + head0 * p.q_head_stride,
+          p.q_token_stride, p.q_head_stride,
+          out + token0 * p.o_token_stride + head0 * p.o_head_stride,
+          p.o_token_stride, p.o_head_stride,
+          rows(p.k), rows(p.v), p.group, p.head_dim, item.num_queries, first_pos,
+          std::min(ctx, first_pos + item.num_queries), p.scale};
+}
+#endif
+
 template <typename Q, typename C>
 void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q* out) {
   const int64_t total = int64_t(items.size()) * p.num_kv_heads;
   const int max_rows = QUERY_CHUNK * p.group;
   const FastDecode fast = fast_decode<Q, C>(p);
+  const bool amx = amx_prefill<Q, C>(p);
   // torch's intra-op thread count; dynamic schedule: items differ in context length.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     Scratch scratch;
     scratch.size_for(max_rows, p.block_size, p.head_dim);
+#if defined(CPU_PREFILL_AMX)
+    cpu_prefill_amx::Scratch amx_scratch;
+    bool tiles_configured = false;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < total; ++w) {
       const WorkItem& item = items[w / p.num_kv_heads];
       const int kv_head = int(w % p.num_kv_heads);
-      if (!attend_decode_fast(fast, p, item, kv_head, query, out)) {
-        attend_item<Q, C>(p, item, kv_head, query, out, scratch);
+      if (attend_decode_fast(fast, p, item, kv_head, query, out)) continue;
+#if defined(CPU_PREFILL_AMX)
+      if constexpr (std::is_same_v<Q, c10::BFloat16>) {
+        if (amx && item.num_queries >= AMX_MIN_QUERIES) {
+          if (!tiles_configured) cpu_prefill_amx::configure_tiles();
+          tiles_configured = true;
+          cpu_prefill_amx::attend(amx_item(p, item, kv_head, query, out), amx_scratch);
+          continue;
+        }
       }
+#endif
+      attend_item<Q, C>(p, item, kv_head, query, out, scratch);
     }
+#if defined(CPU_PREFILL_AMX)
+    if (tiles_configured) _tile_release();
+#endif
   }
 }
 
@@ -590,10 +649,24 @@ int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor
   return sum;
 }
 
+// True where multi-token items of a bfloat16 query and cache take cpu_prefill_amx.h (the build
+// has AMX and Linux granted the tiles), for tests and the benchmark's report.
+bool has_amx_prefill() {
+#if defined(CPU_PREFILL_AMX)
+  return cpu_prefill_amx::available();
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Paged attention over a block-table KV cache, in place (decode and prefill)");
   m.def("store_kv", &store_kv, "New K/V rows into a head-major paged cache at their slots");
+  m.def("has_amx_prefill", &has_amx_prefill,
+        "Whether bfloat16 prefill items of >= AMX_MIN_QUERIES tokens run on AMX tiles here");
+  m.attr("AMX_MIN_QUERIES") = AMX_MIN_QUERIES;
+  m.attr("QUERY_CHUNK") = QUERY_CHUNK;
   m.def("read_kv_rows", &read_kv_rows,
         "The K/V rows decode attention reads, summed: its memory-only share (benchmarks)");
 }

@@ -122,6 +122,36 @@ inline void store_bf16x16(void* p, f32x16 v) {
   std::memcpy(p, &narrow, sizeof narrow);
 }
 
+#if defined(__AVX512F__)
+// 16 vectors of 16 32-bit lanes transposed in registers: r[i][c] -> r[c][i]. Two interleaving
+// stages within 128-bit lanes, then two 128-bit lane shuffles (64 shuffles for 256 lanes).
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int m = 0; m < 8; ++m) {
+    t[2 * m] = _mm512_unpacklo_epi32(r[2 * m], r[2 * m + 1]);
+    t[2 * m + 1] = _mm512_unpackhi_epi32(r[2 * m], r[2 * m + 1]);
+  }
+  // u[4n + d], 128-bit lane L: column 4L + d of rows 4n .. 4n + 3.
+  for (int n = 0; n < 4; ++n) {
+    u[4 * n] = _mm512_unpacklo_epi64(t[4 * n], t[4 * n + 2]);
+    u[4 * n + 1] = _mm512_unpackhi_epi64(t[4 * n], t[4 * n + 2]);
+    u[4 * n + 2] = _mm512_unpacklo_epi64(t[4 * n + 1], t[4 * n + 3]);
+    u[4 * n + 3] = _mm512_unpackhi_epi64(t[4 * n + 1], t[4 * n + 3]);
+  }
+  // Column 4L + d gathers lane L of u[d], u[4 + d], u[8 + d], u[12 + d].
+  for (int d = 0; d < 4; ++d) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0x88);  // lanes 0, 2
+    const __m512i v1 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0xDD);  // lanes 1, 3
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0xDD);
+    r[d] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[8 + d] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[4 + d] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + d] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+#endif
+
 // A weight stream's lines requested this far ahead into L1 by the few-row products
 // (cpu_int4_linear.h, packed_bf16_linear): each thread reads its blocks as one contiguous
 // stream, but a layer is short (a 576 x 576 int4 one is 83 KB a thread), and the hardware
