@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.runner.sampler import apply_repetition_penalty, logits_to_probs, sample
+from engine.runner.sampler import apply_repetition_penalty, greedy_tokens, logits_to_probs, sample
 
 
 def probs_for(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
@@ -78,3 +78,14 @@ def test_sampling_frequencies_match_probabilities():
         counts[sample(logits, params, [gen])[0]] += 1
     freqs = counts / counts.sum()
     assert torch.allclose(freqs, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_greedy_tokens_are_argmax_with_its_tie_and_nan_rules():
+    """greedy_tokens goes through max(dim) for speed: the same first index on ties (a flat row,
+    two equal maxima, two infinities) and NaN counted as the max, as torch.argmax."""
+    x = torch.zeros(5, 49152)
+    x[0, 5] = x[0, 40000] = 1.0
+    x[1, 7] = x[1, 9] = float("nan")
+    x[3, 100] = x[3, 200] = float("inf")
+    x[4] = torch.randint(0, 3, (49152,)).float()
+    assert greedy_tokens(x) == x.argmax(dim=-1).tolist() == [5, 7, 0, 100, x[4].argmax().item()]

@@ -34,7 +34,7 @@ from engine.runner.models.layer_ops import TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.models.prepack import can_prepack, prepack_linears
 from engine.runner.quant import QuantSummary
-from engine.runner.sampler import logits_to_probs
+from engine.runner.sampler import greedy_tokens, logits_to_probs
 
 GeneratorOf = Callable[[Request], torch.Generator | None]
 
@@ -264,7 +264,7 @@ class DraftModel:
         from q (the request's temperature / top-k / top-p / min-p on the draft's logits),
         keeping q for rejection sampling."""
         sampling = [i for i, r in enumerate(active) if not r.scheduled.request.params.greedy]
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy_tokens(logits)
         probs = None
         if sampling:
             rows = torch.tensor(sampling, device=logits.device)

@@ -376,9 +376,13 @@ class ModelRunner:
         # Draws consume generator state row by row; a raise at row i has already advanced
         # rows < i, so keep the states to replay them (a few bytes per random request).
         states = [g.get_state() if g is not None else None for g in generators]
+        rows = [row for _, row in samplers]
+        batch_logits = logits  # every row in order, the usual case: no copy (64 x 49152 float32
+        if rows != list(range(logits.shape[0])):  # rows took 0.8-2.8 ms to index on CPU)
+            batch_logits = logits[torch.tensor(rows, device=self.device)]
         try:
             tokens = sample(
-                logits[torch.tensor([row for _, row in samplers], device=self.device)],
+                batch_logits,
                 [r.params for r in requests],
                 generators,
                 [_penalty_history(r) for r in requests],
