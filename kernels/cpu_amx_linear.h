@@ -132,15 +132,15 @@ inline void build_int4_pairs(const uint8_t* block, const uint32_t* scale_zero, i
   }
 }
 
-// Calls build(b, pairs) to fill each 64-row block's pairs, then out [M, N] = x [M, K] @ W.T
-// in 16-row tiles.
-template <typename BuildPairs>
+// pairs_for(b, buffer) gives each 64-row block's pairs (built into `buffer`, K/2 x 256 bytes,
+// or read in place), then out [M, N] = x [M, K] @ W.T in 16-row tiles.
+template <typename PairsFor>
 inline void linear_blocks(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
-                          int64_t N, BuildPairs build) {
+                          int64_t N, PairsFor pairs_for) {
   at::parallel_for(0, N / BLOCK_ROWS, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     std::vector<__m512i> buffer(size_t(K / 2 * QUARTERS));  // K/2 x 256 bytes, in L2
-    uint32_t* pairs = reinterpret_cast<uint32_t*>(buffer.data());
+    uint32_t* scratch = reinterpret_cast<uint32_t*>(buffer.data());
     // The last tile's rows when M is not a multiple of 16, zero-padded (A tiles read 16 rows).
     std::vector<c10::BFloat16> tail(M % TILE_ROWS ? size_t(TILE_ROWS * K) : 0);
     if (!tail.empty()) {
@@ -149,7 +149,7 @@ inline void linear_blocks(c10::BFloat16* out, const c10::BFloat16* x, int64_t M,
     }
     alignas(64) float acc[TILE_ROWS * BLOCK_ROWS];
     for (int64_t b = begin; b < end; ++b) {
-      build(b, pairs);
+      const uint32_t* pairs = pairs_for(b, scratch);
       for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const int64_t rows = std::min<int64_t>(TILE_ROWS, M - m0);
         block_product(rows == TILE_ROWS ? x + m0 * K : tail.data(), pairs, K, acc);
@@ -278,10 +278,21 @@ inline void linear_int4(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, i
                         const uint8_t* packed, const c10::BFloat16* scale_and_zero, int64_t N,
                         int64_t group_size) {
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
-  linear_blocks(out, x, M, K, N, [&](int64_t b, uint32_t* pairs) {
+  linear_blocks(out, x, M, K, N, [&](int64_t b, uint32_t* buffer) {
     build_int4_pairs(packed + b * BLOCK_ROWS * K / 2, sz + b * BLOCK_ROWS, N, K, group_size,
-                     pairs);
+                     buffer);
+    return static_cast<const uint32_t*>(buffer);
   });
+}
+
+// out [M, N] = x [M, K] @ W.T, W bfloat16 as oneDNN packs it for AVX512-BF16 and, for these
+// shapes, with AMX too (engine/runner/models/prepack.py, packed_layout_matches): 64-row blocks
+// of (w(n, 2p), w(n, 2p + 1)) pairs, which is the B operand's layout above, so the tiles load
+// the packed weight in place. N % 64 == 0, K % 32 == 0.
+inline void linear_bf16_packed(c10::BFloat16* out, const c10::BFloat16* x, int64_t M,
+                               int64_t K, const c10::BFloat16* packed, int64_t N) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed);
+  linear_blocks(out, x, M, K, N, [&](int64_t b, uint32_t*) { return w + b * K / 2 * BLOCK_ROWS; });
 }
 
 }  // namespace cpu_amx_linear

@@ -236,6 +236,7 @@ constexpr int64_t INT8_ROWS_MIN_M = 4;  // x rows from which cpu_int8_rows.h tak
 // 2083 (the vdpbf16ps rows kernel loses to AMX from its first row count); int4 at 4 rows
 // gate_up 89 vs 112, down 53 vs 66, LM head 1462 vs 2107, level at 5, AMX ahead from 6.
 constexpr int64_t AMX_INT8_MIN_ROWS = 4;
+constexpr int64_t AMX_BF16_MIN_ROWS = 5;  // packed_bf16_linear: see PACKED_GEMV_MAX_ROWS_AMX
 constexpr int64_t AMX_INT4_MIN_ROWS = 6;
 // Weight rows are requested two blocks ahead, one cache line (INT8_ROWS x 16 bytes) per step:
 // four interleaved rows of K bytes are streams too short for the hardware prefetcher (measured
@@ -424,6 +425,14 @@ void packed_bf16_linear_dp(torch::Tensor out, torch::Tensor x, const c10::BFloat
 
 void packed_bf16_linear_impl(torch::Tensor out, torch::Tensor x, const c10::BFloat16* weight,
                              int64_t N) {
+#if defined(CPU_AMX_LINEAR)
+  if (x.size(0) >= AMX_BF16_MIN_ROWS && x.size(1) % cpu_amx_linear::K_STEP == 0 &&
+      cpu_amx_linear::tiles_permitted()) {
+    return cpu_amx_linear::linear_bf16_packed(out.data_ptr<c10::BFloat16>(),
+                                              x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1),
+                                              weight, N);
+  }
+#endif
 #if defined(__AVX512BF16__)
   return packed_bf16_linear_dp(out, x, weight, N);
 #endif
@@ -635,7 +644,8 @@ bool has_int8_rows_linear() {
 }
 
 // True where this build has cpu_amx_linear.h (AMX tiles) and Linux lets this process use them:
-// int8_linear and int4_linear then multiply many bfloat16 rows with AMX (AMX_INT*_MIN_ROWS).
+// int8_linear, int4_linear and packed_bf16_linear then multiply many bfloat16 rows with AMX
+// (AMX_*_MIN_ROWS).
 bool has_amx_linear() {
 #if defined(CPU_AMX_LINEAR)
   return cpu_amx_linear::tiles_permitted();
@@ -715,7 +725,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8_rows_linear", &has_int8_rows_linear,
         "whether int8_linear multiplies many bfloat16 rows with cpu_int8_rows.h here");
   m.def("has_amx_linear", &has_amx_linear,
-        "whether int8_linear and int4_linear multiply many bfloat16 rows with AMX tiles here");
+        "whether int8_linear, int4_linear and packed_bf16_linear multiply many bfloat16 rows "
+        "with AMX tiles here");
   m.def("int4_linear", &int4_linear,
         "x (bfloat16) @ W.T for few rows, W int4 in kernels/int4_pack.py's 64-row blocks");
   m.def("packed_bf16_linear", &packed_bf16_linear,

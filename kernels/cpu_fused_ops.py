@@ -107,9 +107,9 @@ def has_int8_rows_linear() -> bool:
 
 
 def has_amx_linear() -> bool:
-    """Whether int8_linear and int4_linear multiply many bfloat16 rows with AMX tiles here
-    (cpu_amx_linear.h: built for a CPU with AMX-BF16, and Linux granted this process the tile
-    state): int8 from 4 rows, int4 from 6."""
+    """Whether int8_linear, int4_linear and packed_bf16_linear multiply many bfloat16 rows with
+    AMX tiles here (cpu_amx_linear.h: built for a CPU with AMX-BF16, and Linux granted this
+    process the tile state): int8 from 4 rows, int4 from 6, packed bf16 from 5."""
     return load_extension().has_amx_linear()
 
 
@@ -121,7 +121,7 @@ def has_int4_linear() -> bool:
 def packed_bf16_linear(
     x: torch.Tensor, weight_address: int, out_features: int, in_features: int
 ) -> torch.Tensor:
-    """x (bfloat16 [M, K], M <= prepack.packed_gemv_max_rows()) @ W.T for W held in oneDNN's
+    """x (bfloat16 [M, K], M <= prepack.packed_gemv_max_rows(kernels)) @ W.T for W in oneDNN's
     packed bf16 layout at `weight_address` (engine/runner/models/prepack.py checks the layout
     and owns the buffer)."""
     return load_extension().packed_bf16_linear(x, weight_address, out_features, in_features)

@@ -15,9 +15,10 @@ embedding table, since the embedding lookup needs the plain layout: 2 bytes x vo
 more memory (57 MB for SmolLM2-135M) for the ~10 % of a decode step the head takes.
 
 With the fused C++ ops (layer_ops.py), a bf16 layer's few rows (up to packed_gemv_max_rows():
-decode, verify steps, batch-64 decode on CPUs without AMX) go to a C++ kernel that reads the
-same packed bytes, faster than oneDNN's own call there (kernels/README.md): same products,
-summed in another order, so within a bf16 rounding of oneDNN rather than bit-identical.
+decode, verify steps, batch-64 decode; with AMX tiles up to 256 rows) go to a C++ kernel that
+reads the same packed bytes, faster than oneDNN's own call there (kernels/README.md): same
+products, summed in another order, so within a bf16 rounding of oneDNN rather than
+bit-identical.
 `packed_layout_matches` proves the layout per shape first; anything else stays on oneDNN.
 """
 
@@ -37,10 +38,15 @@ PREPACK_DTYPES = (torch.bfloat16, torch.float16)
 # kernel with vdpbf16ps against oneDNN's call on the same packed weight: 1 row 8.0 vs 11.1 ms,
 # 8 rows 8.7 vs 13.8, 32 rows 15.9 vs 19.7, 64 rows 27.4 vs 35.3, 128 rows 53.5 vs 54.5: so up
 # to a batch-64 decode step. A CPU with AMX tiles runs oneDNN's GEMM several times faster on
-# many rows (not measured here): there only decode's few rows (as first measured: 1.4x at one
-# row, even at 8).
+# many rows: there the kernel takes decode's few rows (as first measured: 1.4x at one row,
+# even at 8), and from 5 rows multiplies on AMX tiles itself (cpu_amx_linear.h, the packed
+# weight read in place as the B operand) where the extension has them: SmolLM2's 30 layers
+# streamed from DRAM on a 2-core Xeon, min of 9 interleaved runs, kernel vs oneDNN on the same
+# packed weight: 8 rows 12.5 vs 15.5 ms, 32 rows 14.7 vs 19.2, 64 rows 19.9 vs 25.3, 128 rows
+# 26.6 vs 35.8, 256 rows 39.2 vs 40.7; oneDNN ahead at 512 (84 vs 76).
 PACKED_GEMV_MAX_ROWS = 64
-PACKED_GEMV_MAX_ROWS_AMX = 4
+PACKED_GEMV_MAX_ROWS_AMX = 4  # AMX CPU, extension built without tiles: oneDNN from 5 rows
+PACKED_AMX_MAX_ROWS = 256  # AMX CPU and tiles in the extension
 PACK_BLOCK_ROWS = 64  # output rows per block of the packed layout (see packed_layout_matches)
 
 
@@ -79,6 +85,7 @@ class PrepackedLinear(nn.Module):
         self.few_rows_max = packed_gemv_max_rows()
         if kernels is not None and packed_layout_matches(*weight.shape, weight.dtype):
             self.gemv_kernels = kernels
+            self.few_rows_max = packed_gemv_max_rows(kernels)
             self.packed_address = torch.ops.mkldnn.data_ptr(packed)
             kernel, address, n, k = kernels.packed_bf16_linear, self.packed_address, *weight.shape
             self.few_rows = lambda x: kernel(x, address, n, k)
@@ -124,9 +131,14 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def packed_gemv_max_rows() -> int:
-    """Rows up to which a packed bf16 layer takes the C++ kernel (see PACKED_GEMV_MAX_ROWS)."""
-    return PACKED_GEMV_MAX_ROWS_AMX if cpu_has_amx() else PACKED_GEMV_MAX_ROWS
+def packed_gemv_max_rows(kernels: ModuleType | None = None) -> int:
+    """Rows up to which a packed bf16 layer takes the C++ kernel of `kernels` (the fused ops'
+    module; see PACKED_GEMV_MAX_ROWS)."""
+    if not cpu_has_amx():
+        return PACKED_GEMV_MAX_ROWS
+    if kernels is not None and kernels.has_amx_linear():
+        return PACKED_AMX_MAX_ROWS
+    return PACKED_GEMV_MAX_ROWS_AMX
 
 
 @functools.cache
