@@ -14,8 +14,9 @@ after the first) and TTFT. Engines, in this order, each built afresh in this pro
   prepacking and its "before"; fused_ops=true,false: the C++ norm/RoPE/SiLU ops and theirs);
 - Hugging Face transformers `generate` on the same weights and dtype (one request at a time).
 The floor: a decode step reads every weight it multiplies by once (the cost model's bytes per
-step, engine/telemetry/cost.py), so TPOT >= those bytes / bandwidth, with the bandwidth from
-the measured device ceilings (engine/telemetry/ceilings.py). Printed as JSON: each engine's
+step, engine/telemetry/cost.py), so TPOT >= those bytes / bandwidth, with the bandwidth
+measured at the start of the run (engine/telemetry/ceilings.py; --cached-ceilings takes the
+cached one). Printed as JSON: each engine's
 TPOT over the floor and over the baseline's TPOT, and whether its tokens equal the baseline's.
 Timings are noisy when other processes share the cores: the load average is reported.
 """
@@ -32,12 +33,19 @@ import time
 
 import torch
 
-from benchmarks.common import bench_parser, config_report, emit, parse_vary, vary_configs
+from benchmarks.common import (
+    add_ceilings_flag,
+    bench_parser,
+    config_report,
+    emit,
+    parse_vary,
+    run_ceilings,
+    vary_configs,
+)
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.runner.model_loader import resolve_model
-from engine.telemetry.ceilings import get_ceilings
 
 
 def run_ours(config: EngineConfig, prompts: list[list[int]], output_len: int) -> dict:
@@ -96,6 +104,7 @@ def build_parser():
     p.add_argument("--vary", default="prepack_weights=true,false",
                    help="FIELD=V1,V2,...: one engine per value, the first is the baseline")  # fmt: skip
     p.add_argument("--skip-hf", action="store_true")
+    add_ceilings_flag(p)
     return p
 
 
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     field, values = parse_vary(args.vary)
     configs = vary_configs(args, field, values)
     config = configs[0]
+    ceilings = run_ceilings(args, config.device)  # before the engines: a quiet machine
     source = resolve_model(config.model)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, source.arch.vocab_size) for _ in range(args.prompt_len)]
@@ -115,7 +125,6 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_hf and source.weights_dir is not None:
         dtype = getattr(torch, base["dtype"])
         runs["hf generate"] = run_hf(source.weights_dir, dtype, prompts, args.output_len)
-    ceilings = get_ceilings(base["device"])
     bandwidth = ceilings.bandwidth_bytes_per_s
     base_tokens = base["token_ids"]
     for run in runs.values():

@@ -17,6 +17,8 @@ from engine.config import EngineConfig
 from engine.core.engine import Prompt
 from engine.llm import LLM
 from engine.request import RequestOutput, SamplingParams
+from engine.runner.model_runner import resolve_device
+from engine.telemetry.ceilings import DeviceCeilings, get_ceilings
 from engine.telemetry.stats import StepStats
 
 # Every benchmark measures in bfloat16 unless told otherwise (EngineConfig's "auto" is the same
@@ -35,6 +37,24 @@ def bench_parser(doc: str, exclude: Sequence[str] = ()) -> argparse.ArgumentPars
     add_engine_args(p, defaults=BENCH_DEFAULTS, exclude=(*BENCH_EXCLUDED, *exclude))
     p.add_argument("--json", type=Path, help="also write the JSON here")
     return p
+
+
+def add_ceilings_flag(p: argparse.ArgumentParser) -> None:
+    """--cached-ceilings, for the benchmarks that divide by the device's ceilings."""
+    p.add_argument(
+        "--cached-ceilings",
+        action="store_true",
+        help="take the device ceilings (bandwidth, peak FLOP/s) from the cache instead of "
+        "measuring them at the start of this run (~2 s); a shared machine's bandwidth moves by "
+        "10-15%% from one hour to the next, and a floor from another hour says little",
+    )
+
+
+def run_ceilings(args: argparse.Namespace, device: str) -> DeviceCeilings:
+    """The ceilings this run divides by: measured now (and cached for later), unless
+    --cached-ceilings. `device`: an EngineConfig device ("auto" = CUDA when available)."""
+    resolved = str(resolve_device(device).type)
+    return get_ceilings(resolved, refresh=not args.cached_ceilings)
 
 
 def config_report(config: EngineConfig) -> dict:

@@ -10,6 +10,8 @@ each batch runs until its longest request is done), (d) Hugging Face's own conti
 sized to hold the whole workload and its token budget per step set to ours. Every request has
 an exact output length (ignore_eos), greedy. Each engine gets one warm-up request first, and
 start-up (model load, cache allocation) is outside the timed window. Prints JSON: output tokens/s, TTFT and TPOT p50/p99, and the ratios.
+The roofline bound divides by the device ceilings measured at the start of the run
+(--cached-ceilings: the cached ones).
 Arrivals: all requests are submitted at t=0, so TTFT includes queueing behind earlier work.
 """
 
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_parser, config_report, emit
+from benchmarks.common import add_ceilings_flag, bench_parser, config_report, emit, run_ceilings
 from engine.cli import config_from_args
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -263,12 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", nargs="*", default=[], choices=["static", "hf", "hf_continuous"])
     # dest apart from EngineConfig.seed, which config_from_args would take it for.
     p.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seeds the workload")
+    add_ceilings_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     config = config_from_args(args, batching="continuous")
+    run_ceilings(args, config.device)  # measured now (the roofline report reads them back)
     results = {}
     workload = make_workload(args, _vocab_size(config.model))
     results["continuous"], weights_dir, dtype = run_ours(config, workload)

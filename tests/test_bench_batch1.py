@@ -5,14 +5,20 @@ import json
 
 import pytest
 
-from benchmarks import batch1
+from benchmarks import batch1, common
 from engine.telemetry.ceilings import DeviceCeilings
 
 
 def test_bench_batch1_varies_a_field_and_reports_the_floor(tmp_path, capsys, monkeypatch):
     toy = DeviceCeilings(name="toy", peak_flops_per_s={"bfloat16": 1e12}, bandwidth_bytes_per_s=1e9,
                          measured=False, source="test")  # fmt: skip
-    monkeypatch.setattr(batch1, "get_ceilings", lambda device: toy)
+    asked = []  # the ceilings are measured at the start of the run, not read from the cache
+
+    def ceilings(device, refresh=False):
+        asked.append((device, refresh))
+        return toy
+
+    monkeypatch.setattr(common, "get_ceilings", ceilings)
     out = tmp_path / "b1.json"
     argv = ["--model", "random:tiny", "--prompt-len", "12", "--output-len", "5",
             "--num-prompts", "2", "--vary", "prepack_weights=true,false", "--json", str(out)]  # fmt: skip
@@ -33,3 +39,7 @@ def test_bench_batch1_varies_a_field_and_reports_the_floor(tmp_path, capsys, mon
         on["tpot_ms"] / on["floor_tpot_ms"], rel=0.02, abs=0.0051
     )
     assert report["vary"] == "prepack_weights" and report["config"]["dtype"] == "bfloat16"
+    assert asked == [("cpu", True)]
+    asked.clear()
+    batch1.main([*argv[:-2], "--skip-hf", "--cached-ceilings", "--vary", "prepack_weights=true"])
+    assert asked == [("cpu", False)]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks import throughput
+from benchmarks import common, throughput
 from engine.telemetry.ceilings import DeviceCeilings
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -16,6 +16,7 @@ def test_bench_throughput_reports_the_roofline_bound(tmp_path, capsys, monkeypat
     toy = DeviceCeilings(name="toy", peak_flops_per_s={"float32": 1e9}, bandwidth_bytes_per_s=1e9,
                          measured=False, source="test")  # fmt: skip
     monkeypatch.setattr(throughput, "get_ceilings", lambda device: toy)
+    monkeypatch.setattr(common, "get_ceilings", lambda device, refresh=False: toy)
     out = tmp_path / "bench.json"
     argv = ["--model", "random:tiny", "--dtype", "float32", "--num-requests", "6",
             "--prompt-len", "4", "24", "--output-len", "2", "9", "--skip", "hf",
@@ -61,6 +62,7 @@ def test_bench_throughput_runs_hf_continuous_batching(tiny_hf_folder, monkeypatc
     toy = DeviceCeilings(name="toy", peak_flops_per_s={"float32": 1e9}, bandwidth_bytes_per_s=1e9,
                          measured=False, source="test")  # fmt: skip
     monkeypatch.setattr(throughput, "get_ceilings", lambda device: toy)
+    monkeypatch.setattr(common, "get_ceilings", lambda device, refresh=False: toy)
     argv = ["--model", str(tiny_hf_folder), "--dtype", "float32", "--num-requests", "5",
             "--prompt-len", "260", "300", "--output-len", "2", "9", "--skip", "static", "hf"]  # fmt: skip
     report = throughput.main(argv)
