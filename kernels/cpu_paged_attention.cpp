@@ -27,6 +27,7 @@
 #include "cpu_prefill_amx.h"
 
 #include <algorithm>
+#include <atomic>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -327,10 +328,15 @@ bool attend_decode_fast(FastDecode fast, const Problem& p, const WorkItem& item,
 // stay on the row path).
 constexpr int AMX_MIN_QUERIES = 8;
 
+// Off: multi-token items take the row path even where AMX would serve them (set_amx_prefill,
+// for benchmarks.cpu_prefill_attention's "before" in the same run). Process-wide.
+std::atomic<bool> amx_prefill_enabled{true};
+
 // True if the AMX kernel can take this call's multi-token items.
 template <typename Q, typename C>
 bool amx_prefill(const Problem& p) {
 #if defined(CPU_PREFILL_AMX)
+  if (!amx_prefill_enabled.load()) return false;
   if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, Q>) {
     return cpu_prefill_amx::supports(p.head_dim) && cpu_prefill_amx::available();
   }
@@ -659,12 +665,16 @@ bool has_amx_prefill() {
 #endif
 }
 
+void set_amx_prefill(bool enabled) { amx_prefill_enabled.store(enabled); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Paged attention over a block-table KV cache, in place (decode and prefill)");
   m.def("store_kv", &store_kv, "New K/V rows into a head-major paged cache at their slots");
   m.def("has_amx_prefill", &has_amx_prefill,
         "Whether bfloat16 prefill items of >= AMX_MIN_QUERIES tokens run on AMX tiles here");
+  m.def("set_amx_prefill", &set_amx_prefill,
+        "Let bfloat16 prefill items use AMX tiles (default) or the row path (benchmarks)");
   m.attr("AMX_MIN_QUERIES") = AMX_MIN_QUERIES;
   m.attr("QUERY_CHUNK") = QUERY_CHUNK;
   m.def("read_kv_rows", &read_kv_rows,

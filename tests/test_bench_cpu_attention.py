@@ -50,3 +50,23 @@ def test_tiny_run_reports_both_placements(tmp_path, capsys, monkeypatch):
     assert report["cpu_kernel_over_read_only"] > 0
     assert report["cpu_kernel_engine_placement_over_floor"] > 0
     assert report["relative_error_vs_gather_sdpa"]["cpu_kernel"] < 2e-2
+
+
+def test_prefill_benchmark_times_three_paths_and_checks_them(tmp_path):
+    """benchmarks.cpu_prefill_attention on a small chunk over a cached prefix: the torch path,
+    the kernel's row path and the kernel as the engine runs it, each checked against float32."""
+    if (why := cpu_kernel_status()) is not None:
+        pytest.skip(f"CPU kernel unavailable: {why}")
+    from benchmarks import cpu_prefill_attention
+    from kernels.cpu_attention import load_extension
+
+    out = tmp_path / "prefill.json"
+    report = cpu_prefill_attention.main(["--query-len", "40", "--context", "100", "--layers",
+                                         "2", "--repeats", "1", "--json", str(out)])  # fmt: skip
+    assert report == json.loads(out.read_text())
+    assert set(report["per_layer"]) == {"torch", "cpu_rows", "cpu_kernel"}
+    assert all(t["min_ms"] > 0 for t in report["per_layer"].values())
+    assert all(e < 5e-3 for e in report["relative_error_vs_float32"].values())
+    # 40 queries over a 60-token prefix: 4 x 9 heads x 64 dims x (61 + ... + 100) pairs.
+    assert report["flops_per_layer"] == 4 * 9 * 64 * sum(range(61, 101))
+    assert report["amx_tiles"] == load_extension().has_amx_prefill()
