@@ -1,0 +1,33 @@
+"""benchmarks.packed_linear on the tiny preset: both paths timed per row count, the shapes the
+kernel cannot read listed instead of timed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.runner.models.prepack import can_prepack, packed_layout_matches
+from kernels.cpu_fused_ops import cpu_fused_ops_status
+
+
+def test_tiny_run_times_both_paths(tmp_path):
+    if (why := cpu_fused_ops_status()) is not None:
+        pytest.skip(f"CPU fused ops unavailable: {why}")
+    if not can_prepack(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 linear here")
+    from benchmarks import packed_linear
+
+    out = tmp_path / "packed.json"
+    report = packed_linear.main(["--preset", "tiny", "--layers", "1", "--rows", "1", "5",
+                                 "--repeats", "1", "--json", str(out)])  # fmt: skip
+    assert report == json.loads(out.read_text())
+    timed, left_out = report["shapes"], report["shapes_left_out"]
+    assert set(timed) | set(left_out) == {"qkv", "o", "gate_up", "down"}
+    assert all(packed_layout_matches(*s, torch.bfloat16) for s in timed.values())
+    assert report["weight_bytes_per_pass"] == sum(n * k * 2 for n, k in timed.values())
+    if timed:
+        assert set(report["per_rows"]) == {"1", "5"}
+        assert all(r["kernel_min_ms"] > 0 and r["onednn_min_ms"] > 0
+                   for r in report["per_rows"].values())  # fmt: skip
