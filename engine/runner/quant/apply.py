@@ -167,7 +167,7 @@ def load_awq(
     if quantize_lm_head:
         head = model.lm_head_weight
         check_int4_shape(*head.shape, group_size, "lm_head")
-        model.lm_head = Int4Linear(quantize_int4(head, group_size), None, dtype, scratch, min_rows)
+        model.lm_head = _maker("int4", group_size, dtype, scratch, min_rows)(head, None)
     return _summary(model, "awq", group_size, min_rows)
 
 
