@@ -110,9 +110,17 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 
-// 16 float32 lanes -> bfloat16, rounded to nearest even on the bits (c10::BFloat16's rule),
-// NaN kept a quiet NaN.
+// 16 float32 lanes -> bfloat16, rounded to nearest even (c10::BFloat16's rule), NaN kept a
+// quiet NaN. With AVX512-BF16 one vcvtneps2bf16 (as oneDNN's bf16 kernels round), which also
+// flushes float32 subnormals (< 1.2e-38) to a signed zero; elsewhere the same rounding on the
+// bits, ~8 vector steps (a fifth of an RMSNorm's instructions when it was the only way).
 inline void store_bf16x16(void* p, f32x16 v) {
+#if defined(__AVX512BF16__)
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  _mm256_storeu_si256(static_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+  return;
+#endif
   u32x16 bits;
   std::memcpy(&bits, &v, sizeof bits);
   const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
@@ -120,6 +128,21 @@ inline void store_bf16x16(void* p, f32x16 v) {
   const u32x16 out = (is_nan & 0x7FC0u) | (~is_nan & rounded);
   const u16x16 narrow = __builtin_convertvector(out, u16x16);
   std::memcpy(p, &narrow, sizeof narrow);
+}
+
+// v rounded to bfloat16 and widened back to float32 lanes, in registers (store_bf16x16's
+// rounding).
+inline f32x16 round_bf16x16(f32x16 v) {
+#if defined(__AVX512BF16__)
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16);
+  return bits_to_floats(u32x16(wide));
+#else
+  uint16_t tmp[LANES];
+  store_bf16x16(tmp, v);
+  return load_bf16x16(tmp);
+#endif
 }
 
 #if defined(__AVX512F__)
