@@ -4,17 +4,22 @@
 // Why: the generic item path computes each (query token, head) row against each key on its own,
 // vector by vector; a 512-token prompt chunk of SmolLM2 took 5.1 ms a layer there (60 GFLOP/s,
 // 2-core Xeon), i.e. ~150 ms of a 512-token chunked-prefill step. Here, per group of 16 keys and
-// per query head g of the KV head, the 16 query tokens are a matrix, and both products are tile
-// products (tdpbf16ps: bfloat16 x bfloat16 -> float32 sums):
+// per query head g of the KV head, both products are tile products (tdpbf16ps: bfloat16 x
+// bfloat16 -> float32 sums):
 //
-//   S [16 queries, 16 keys] = Q_g [16, D] @ K^T       (B operand: K rows turned into dim pairs)
+//   S^T [16 keys, 16 queries] = K [16, D] @ Q_g^T     (A operand: the K rows as cached)
 //   O_g [16, D] = O_g * c + P [16, 16 keys] @ V        (B operand: V rows interleaved by key pair)
 //
 // with the same online softmax as the generic path (m, l, c = exp(m - m'); float32), masked to
-// each query's causal horizon. P is rounded to bfloat16 for its product, as flash attention
-// kernels do on GPUs; scores, softmax and sums stay float32. K and V rows are read in place
-// through the block table (any block size), each 16-key group once per item and shared by the
-// G query heads; rows past the context are never read (unowned slots may hold NaN).
+// each query's causal horizon. Scores come transposed (a key per row, the 16 queries in the
+// lanes) so the softmax is lane-wise: max and sum over keys are vector ops and each exp serves
+// 16 scores. Row by row, with two horizontal reductions and a scalar exp per query, it was over
+// half of the item's time (512-token chunk: 1.32 -> 0.76 ms a layer); and K, read as the A
+// operand, needs no transpose (Q_g^T is built once per item). P is rounded to bfloat16 for its
+// product, as flash attention kernels do on GPUs; scores, softmax and sums stay float32. K and V
+// rows are read in place through the block table (any block size), each 16-key group once per
+// item and shared by the G query heads; rows past the context are never read (unowned slots
+// may hold NaN).
 #pragma once
 
 #include "cpu_amx_tiles.h"
@@ -39,8 +44,8 @@ constexpr int ROWS = 16;       // query tokens per tile (and per work item at mo
 constexpr int KEYS = 16;       // keys per group: one S tile's columns
 constexpr int MAX_HEAD_DIM = 256;
 // Tile registers (literals below: the tile intrinsics paste the number into the instruction):
-// 0 the S accumulator, 1 Q_g (32 dims), 2 K^T pairs (32 dims), 3 P, 4 V pairs (16 dims), 5 one
-// 16-dim slice of P @ V.
+// 0 the S^T accumulator, 1 K rows (32 dims), 2 Q_g^T pairs (32 dims), 3 P, 4 V pairs (16 dims),
+// 5 one 16-dim slice of P @ V.
 
 // Head dims the tile layout serves: whole 64-byte tile rows of Q (32 dims), at most 256.
 inline bool supports(int head_dim) { return head_dim % 32 == 0 && head_dim <= MAX_HEAD_DIM; }
@@ -52,9 +57,9 @@ inline bool available() { return cpu_amx_tiles::tiles_permitted(); }
 // configurations between calls) and releases the tiles at the end.
 inline void configure_tiles() {
   cpu_amx_tiles::TileConfig config;
-  config.set(0, ROWS, KEYS * 4);  // S: float32
-  config.set(1, ROWS, 64);        // Q_g: 32 dims in bfloat16
-  config.set(2, 16, KEYS * 4);    // K^T: 16 dim pairs x 16 keys
+  config.set(0, KEYS, ROWS * 4);  // S^T: 16 keys x 16 queries in float32
+  config.set(1, KEYS, 64);        // K: 16 keys x 32 dims in bfloat16
+  config.set(2, 16, ROWS * 4);    // Q_g^T: 16 dim pairs x 16 queries
   config.set(3, ROWS, KEYS * 2);  // P: 16 keys in bfloat16
   config.set(4, KEYS / 2, 64);    // V: 8 key pairs x 16 dims
   config.set(5, ROWS, 64);        // P @ V: 16 dims in float32
@@ -94,44 +99,61 @@ struct alignas(64) Line {  // one 64-byte vector's storage (a vector of __m512i 
 
 // Per-thread buffers, sized on first use (no allocation in the hot loop).
 struct Scratch {
-  std::vector<c10::BFloat16> q;  // [G, 16, D], rows past num_queries zero
-  std::vector<float> acc;        // [G, 16, D] unnormalized outputs
-  std::vector<float> m, l;       // [G, 16] running max and sum
-  std::vector<Line> kt, vp;  // K^T pairs [D/32][16 pairs][16 keys]; V pairs [8][D]
-  alignas(64) float s[ROWS * KEYS];
+  std::vector<c10::BFloat16> q;     // [16, D]: one head's query rows, rows past num_queries zero
+  std::vector<c10::BFloat16> keys;  // [16, D]: a key group that is not 16 rows of one block
+  std::vector<float> acc;           // [G, 16, D] unnormalized outputs
+  std::vector<float> m, l;          // [G, 16] running max and sum
+  std::vector<Line> qt, vp;  // Q_g^T pairs [G][D/32][16 pairs][16 queries]; V pairs [8][D]
+  alignas(64) float s[KEYS * ROWS];  // S^T [16 keys][16 queries]
   alignas(64) float pv[ROWS * 16];
   alignas(64) uint16_t p[ROWS * KEYS];
 
   void size_for(int group, int head_dim) {
     const size_t rows = size_t(group) * ROWS;
-    if (q.size() < rows * head_dim) {
-      q.resize(rows * head_dim);
+    if (acc.size() < rows * head_dim) {
       acc.resize(rows * head_dim);
       m.resize(rows);
       l.resize(rows);
+      qt.resize(size_t(group) * head_dim / 2);  // D/2 pairs x 16 lanes x 4 B = D/2 vectors
     }
-    const size_t vectors = size_t(head_dim) / 2;  // D/2 pairs x 16 keys x 4 B = D/2 vectors
-    if (kt.size() < vectors) {
-      kt.resize(vectors);
-      vp.resize(vectors);
+    if (q.size() < size_t(ROWS) * head_dim) {
+      q.resize(size_t(ROWS) * head_dim);
+      keys.resize(size_t(KEYS) * head_dim);
+      vp.resize(size_t(head_dim) / 2);
     }
   }
 };
 
-// K rows j0 .. j0 + n - 1 -> kt[c * 16 + p] = (K[j0 + key][32c + 2p], K[..][32c + 2p + 1]) for
-// the 16 keys (zeros past n): the B operand of Q_g @ K^T, one 16 x 16 transpose of 32-bit pairs
-// per 32 dims.
-inline void build_kt(const Rows& k, int j0, int n, int D, __m512i* kt) {
-  const c10::BFloat16* rows[KEYS];
-  for (int t = 0; t < n; ++t) rows[t] = k.row(j0 + t);
+// Q_g^T as the B operand of S^T = K @ Q_g^T: qt[c * 16 + p] holds, for each query lane i,
+// (Q[i][32c + 2p], Q[i][32c + 2p + 1]); one 16 x 16 transpose of 32-bit pairs per 32 dims, once
+// per item and head (q: [16, D], rows past num_queries zero).
+inline void build_qt(const c10::BFloat16* q, int D, __m512i* qt) {
   for (int c = 0; c < D / 32; ++c) {
     __m512i r[16];
-    for (int t = 0; t < KEYS; ++t) {
-      r[t] = t < n ? _mm512_loadu_si512(rows[t] + 32 * c) : _mm512_setzero_si512();
-    }
+    for (int i = 0; i < ROWS; ++i) r[i] = _mm512_loadu_si512(q + i * D + 32 * c);
     cpu_simd::transpose16(r);
-    for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + c * 16 + p, r[p]);
+    for (int p = 0; p < 16; ++p) _mm512_store_si512(qt + c * 16 + p, r[p]);
   }
+}
+
+// The A operand of S^T: keys j0 .. j0 + 15 as 16 rows. In place when the group is 16 whole rows
+// of one block (returns their first row and stride); else copied into `rows` with zeros past n
+// (rows past the context are never read: unowned slots may hold NaN).
+inline const c10::BFloat16* key_rows(const Rows& k, int j0, int n, int D, c10::BFloat16* rows,
+                                     int64_t* stride_bytes) {
+  if (n == KEYS && j0 % k.block_size + KEYS <= k.block_size) {
+    *stride_bytes = k.token_stride * int64_t(sizeof(c10::BFloat16));
+    return k.row(j0);
+  }
+  for (int t = 0; t < KEYS; ++t) {
+    if (t < n) {
+      std::memcpy(rows + t * D, k.row(j0 + t), size_t(D) * sizeof(c10::BFloat16));
+    } else {
+      std::memset(rows + t * D, 0, size_t(D) * sizeof(c10::BFloat16));
+    }
+  }
+  *stride_bytes = D * int64_t(sizeof(c10::BFloat16));
+  return rows;
 }
 
 // V rows j0 .. j0 + n - 1 -> vp as [8 key pairs][D dims] of (V[2i][d], V[2i + 1][d]) (zeros past
@@ -170,42 +192,58 @@ inline void prefetch_group(const Item& it, int j0) {
   }
 }
 
-// Online softmax of one head's S tile (already in s): updates m and l, writes P in bfloat16 and
-// each row's correction c. Row i sees keys j0 .. first_pos + i (and < num_keys).
-inline void softmax_rows(const Item& it, int j0, int n, const float* s, float* m, float* l,
-                         uint16_t* p, float* correction) {
+// Online softmax of one head's S^T tile (st: [16 keys][16 query lanes], unscaled), vectorized
+// over the 16 queries: a key's scores are one vector, so the max and the sum over keys are
+// lane-wise (no horizontal reductions, one exp per 16 scores). Updates the lanes' m and l,
+// writes P [16 queries][16 keys] in bfloat16 (the A operand of P @ V) and each query's
+// correction c = exp(m - m'). Query lane i sees keys <= horizon[i] (and < j0 + n).
+inline void softmax_lanes(const float* st, int j0, int n, float scale, __m512i horizon,
+                          bool all_visible, __m512& m, __m512& l, uint16_t* p,
+                          float* correction) {
   using cpu_simd::f32x16;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < ROWS; ++i) {
-    // Padding rows (past num_queries) repeat the last query's horizon: finite, never written.
-    const int pos = it.first_pos + std::min(i, it.num_queries - 1);
-    const int visible = std::min(n, pos - j0 + 1);
-    if (visible <= 0) {  // every key of the group is after this query
-      correction[i] = 1.0f;
-      std::memset(p + i * KEYS, 0, KEYS * sizeof(uint16_t));
-      continue;
-    }
-    const __mmask16 keep = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(visible));
-    const __m512 scores = _mm512_mask_mov_ps(
-        _mm512_set1_ps(neg_inf), keep, _mm512_mul_ps(_mm512_load_ps(s + i * KEYS),
-                                                     _mm512_set1_ps(it.scale)));
-    const float m_new = std::max(m[i], _mm512_reduce_max_ps(scores));
-    correction[i] = cpu_simd::exp_nonpositive(m[i] - m_new);  // m = -inf: 0
-    const f32x16 e = cpu_simd::exp_nonpositive(f32x16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
-    const __m512 probs = _mm512_maskz_mov_ps(keep, __m512(e));  // exp(-inf) is ~1e-38, not 0
-    l[i] = l[i] * correction[i] + _mm512_reduce_add_ps(probs);
-    m[i] = m_new;
-    _mm256_store_si256(reinterpret_cast<__m256i*>(p + i * KEYS),
-                       (__m256i)_mm512_cvtneps_pbh(probs));
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 s[KEYS];
+  __mmask16 keep[KEYS];
+  __m512 max = neg_inf;
+  for (int k = 0; k < KEYS; ++k) {
+    keep[k] = k >= n ? __mmask16(0)
+              : all_visible ? __mmask16(0xFFFF)
+                            : _mm512_cmple_epi32_mask(_mm512_set1_epi32(j0 + k), horizon);
+    s[k] = _mm512_mask_mul_ps(neg_inf, keep[k], _mm512_load_ps(st + k * ROWS), scale_v);
+    max = _mm512_max_ps(max, s[k]);
+  }
+  // Key 0 is visible to every query, so m is finite from the first group on; a query that sees
+  // none of this group's keys keeps its m (max = -inf) and gets c = 1.
+  const __m512 m_new = _mm512_max_ps(m, max);
+  const __m512 c = __m512(cpu_simd::exp_nonpositive(f32x16(_mm512_sub_ps(m, m_new))));
+  __m512 sum = _mm512_setzero_ps();
+  __m512i rows[KEYS];
+  for (int k = 0; k < KEYS; ++k) {
+    // Masked keys: 0, not exp(-inf) (~1e-38).
+    const __m512 e = _mm512_maskz_mov_ps(
+        keep[k], __m512(cpu_simd::exp_nonpositive(f32x16(_mm512_sub_ps(s[k], m_new)))));
+    sum = _mm512_add_ps(sum, e);
+    rows[k] = _mm512_castps_si512(e);
+  }
+  l = _mm512_fmadd_ps(l, c, sum);
+  m = m_new;
+  _mm512_store_ps(correction, c);
+  // [key][query] -> [query][key], then two queries' 16 keys per bfloat16 conversion.
+  cpu_simd::transpose16(rows);
+  for (int i = 0; i < ROWS; i += 2) {
+    _mm512_store_si512(p + i * KEYS, (__m512i)_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(rows[i + 1]),
+                                                                   _mm512_castsi512_ps(rows[i])));
   }
 }
 
 inline void attend(const Item& it, Scratch& sc) {
   const int D = it.head_dim, G = it.group;
   sc.size_for(G, D);
+  __m512i* qt = reinterpret_cast<__m512i*>(sc.qt.data());
+  __m512i* vp = reinterpret_cast<__m512i*>(sc.vp.data());
   for (int g = 0; g < G; ++g) {
-    c10::BFloat16* q = sc.q.data() + size_t(g) * ROWS * D;
+    c10::BFloat16* q = sc.q.data();
     for (int i = 0; i < ROWS; ++i) {
       if (i < it.num_queries) {
         std::memcpy(q + i * D, it.query + i * it.q_token_stride + g * it.q_head_stride,
@@ -214,31 +252,38 @@ inline void attend(const Item& it, Scratch& sc) {
         std::memset(q + i * D, 0, size_t(D) * sizeof(c10::BFloat16));
       }
     }
+    build_qt(q, D, qt + size_t(g) * D / 2);
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + size_t(G) * ROWS * D, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + G * ROWS, -std::numeric_limits<float>::infinity());
   std::fill(sc.l.begin(), sc.l.begin() + G * ROWS, 0.f);
-  __m512i* kt = reinterpret_cast<__m512i*>(sc.kt.data());
-  __m512i* vp = reinterpret_cast<__m512i*>(sc.vp.data());
+  // Query lane i (padding lanes repeat the last query) sees keys <= horizon[i].
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i horizon = _mm512_add_epi32(
+      _mm512_set1_epi32(it.first_pos),
+      _mm512_min_epi32(lane, _mm512_set1_epi32(it.num_queries - 1)));
   alignas(64) float correction[ROWS];
 
   for (int j0 = 0; j0 < it.num_keys; j0 += KEYS) {
     const int n = std::min(KEYS, it.num_keys - j0);
     if (j0 + KEYS < it.num_keys) prefetch_group(it, j0 + KEYS);
-    build_kt(it.k, j0, n, D, kt);
+    int64_t k_stride_bytes = 0;
+    const c10::BFloat16* keys = key_rows(it.k, j0, n, D, sc.keys.data(), &k_stride_bytes);
     build_vp(it.v, j0, n, D, vp);
+    const bool all_visible = j0 + n - 1 <= it.first_pos;  // the first query sees them all
     for (int g = 0; g < G; ++g) {
-      const c10::BFloat16* q = sc.q.data() + size_t(g) * ROWS * D;
       _tile_zero(0);
       for (int c = 0; c < D / 32; ++c) {
-        _tile_loadd(1, q + 32 * c, D * 2);
-        _tile_loadd(2, kt + c * 16, 64);
+        _tile_loadd(1, keys + 32 * c, k_stride_bytes);
+        _tile_loadd(2, qt + size_t(g) * D / 2 + c * 16, 64);
         _tile_dpbf16ps(0, 1, 2);
       }
-      _tile_stored(0, sc.s, KEYS * 4);
-      float* m = sc.m.data() + g * ROWS;
-      float* l = sc.l.data() + g * ROWS;
-      softmax_rows(it, j0, n, sc.s, m, l, sc.p, correction);
+      _tile_stored(0, sc.s, ROWS * 4);
+      __m512 m = _mm512_loadu_ps(sc.m.data() + g * ROWS);
+      __m512 l = _mm512_loadu_ps(sc.l.data() + g * ROWS);
+      softmax_lanes(sc.s, j0, n, it.scale, horizon, all_visible, m, l, sc.p, correction);
+      _mm512_storeu_ps(sc.m.data() + g * ROWS, m);
+      _mm512_storeu_ps(sc.l.data() + g * ROWS, l);
       _tile_loadd(3, sc.p, KEYS * 2);
       float* acc = sc.acc.data() + size_t(g) * ROWS * D;
       for (int d0 = 0; d0 < D; d0 += 16) {
