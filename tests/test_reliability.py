@@ -8,12 +8,12 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from engine import LLM, EngineConfig, EngineService, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.request import MAX_SEED, MAX_TOP_K, Request
+from engine.runner import sampler
 
 TINY = dict(model="random:tiny", dtype="float32", max_model_len=256, num_kv_blocks=64)
 PROMPTS = [[11 + i, 12, 13, 14, 15 + i] for i in range(6)]
@@ -214,22 +214,23 @@ def test_a_failed_forward_pass_frees_everything_and_the_service_goes_on(monkeypa
 # --- issue 11 (b): one poisoned request among N normal ones ---
 
 
-def _poisoned_multinomial(real):
-    """torch.multinomial that raises for the request seeded POISON_SEED, wherever sampling
-    happens: validation cannot catch it, as with a sampler bug hit by one request."""
+def _poisoned_uniform(real):
+    """sampler.uniform (every sampled token's one random draw, wherever sampling happens) that
+    raises for the request seeded POISON_SEED: validation cannot catch it, as with a sampler
+    bug hit by one request."""
 
-    def multinomial(probs, num_samples, *args, generator=None, **kwargs):
+    def uniform(generator):
         if generator is not None and generator.initial_seed() == POISON_SEED:
             raise RuntimeError("injected sampling failure")
-        return real(probs, num_samples, *args, generator=generator, **kwargs)
+        return real(generator)
 
-    return multinomial
+    return uniform
 
 
 def test_one_poisoned_request_leaves_the_others_complete_and_exact(monkeypatch):
     with EngineService(EngineConfig(**TINY)) as svc:
         reference = [svc.submit(p, GREEDY).result().token_ids for p in PROMPTS]
-        monkeypatch.setattr(torch, "multinomial", _poisoned_multinomial(torch.multinomial))
+        monkeypatch.setattr(sampler, "uniform", _poisoned_uniform(sampler.uniform))
         poison = SamplingParams(max_tokens=8, temperature=1.0, seed=POISON_SEED)
         streams = [svc.submit(p, GREEDY) for p in PROMPTS]
         bad = svc.submit([7, 8, 9], poison)
@@ -261,7 +262,7 @@ def test_poisoned_sampling_fails_alone_and_seeded_neighbours_stay_exact(llm_f32,
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
     params = [seeded, GREEDY]
     alone = llm_f32.generate(prompts[:2], params)
-    monkeypatch.setattr(torch, "multinomial", _poisoned_multinomial(torch.multinomial))
+    monkeypatch.setattr(sampler, "uniform", _poisoned_uniform(sampler.uniform))
     poison = SamplingParams(max_tokens=8, temperature=1.0, seed=POISON_SEED)
     mixed = llm_f32.generate(prompts, [*params, poison])
     assert [(o.token_ids, o.text) for o in mixed[:2]] == [(o.token_ids, o.text) for o in alone]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
+from engine.runner import sampler
 from engine.runner.sampler import apply_repetition_penalty, greedy_tokens, logits_to_probs, sample
 
 
@@ -89,3 +90,67 @@ def test_greedy_tokens_are_argmax_with_its_tie_and_nan_rules():
     x[3, 100] = x[3, 200] = float("inf")
     x[4] = torch.randint(0, 3, (49152,)).float()
     assert greedy_tokens(x) == x.argmax(dim=-1).tolist() == [5, 7, 0, 100, x[4].argmax().item()]
+
+
+def _sort_reference(logits, temperature, top_k, top_p, min_p):
+    """The filtering as first written: a full sort of every row."""
+    probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    probs = probs.masked_fill(probs < threshold, 0.0)
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1]).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, probs.shape[-1]).unsqueeze(1)
+    drop = ranks >= k
+    kept = sorted_probs.masked_fill(drop, 0.0)
+    mass_before = kept.cumsum(dim=-1) - kept
+    drop |= mass_before >= top_p.unsqueeze(1) * kept.sum(dim=-1, keepdim=True)
+    probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs.masked_fill(drop, 0.0))
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("spread", [2.0, 0.05], ids=["peaked", "flat: past the candidates"])
+def test_top_k_top_p_from_candidates_match_a_full_sort(spread):
+    """logits_to_probs ranks from the top TOP_CANDIDATES (topk) and sorts a whole row only
+    when its top-p prefix reaches past them: the same distribution as sorting every row, with
+    rows that filter, rows that do not, and per-row top-k / top-p / min-p in one batch."""
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 7, 5000
+    logits = torch.randn(rows, vocab, generator=gen) * spread
+    logits[:, :5] += 6 * spread  # a few likely tokens, as a language model has
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 1.0, 0.9])
+    top_k = torch.tensor([-1, 40, -1, 300, -1, 1000, 7])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.95, 0.5, 1.0, 0.99])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0])
+    args = (logits, temperature, top_k, top_p, min_p)
+    assert torch.allclose(logits_to_probs(*args), _sort_reference(*args), rtol=1e-5, atol=1e-8)
+    only_k = (logits[:2], temperature[:2], torch.tensor([5, 40]), torch.ones(2), torch.zeros(2))
+    assert torch.allclose(logits_to_probs(*only_k), _sort_reference(*only_k), atol=1e-8)
+
+
+def test_draws_never_land_on_a_token_without_mass(monkeypatch):
+    """Inverse transform sampling at the ends of [0, 1): u = 0 takes the first token with
+    mass, u just below 1 the last one, never the zero-mass tokens around them or the padding
+    past the vocabulary (1,000 tokens: two blocks of DRAW_BLOCK, the second part padding)."""
+    probs = torch.zeros(2, 1000)
+    probs[:, 3] = 0.25
+    probs[:, 517] = 0.5
+    probs[:, 998] = 0.25
+    for u, expected in [(0.0, 3), (1.0 - 2.0**-53, 998), (0.3, 517), (0.8, 998)]:
+        monkeypatch.setattr(sampler, "uniform", lambda generator, u=u: u)
+        assert sampler.draw_tokens(probs, [None, None]) == [expected, expected]
+
+
+def test_draw_frequencies_match_probabilities_across_blocks():
+    """A token in each of three DRAW_BLOCK blocks and one with 2 % of the mass: drawn as often
+    as its probability says (3 sigma)."""
+    probs = torch.zeros(1, 2000)
+    probs[0, [10, 700, 1500, 1999]] = torch.tensor([0.5, 0.3, 0.18, 0.02])
+    gen = torch.Generator().manual_seed(0)
+    n = 4000
+    counts = torch.zeros(2000)
+    for _ in range(n):
+        counts[sampler.draw_token(probs[0], gen)] += 1
+    expected = probs[0] * n
+    sigma = (expected * (1 - probs[0])).sqrt()
+    assert counts.sum() == counts[[10, 700, 1500, 1999]].sum()
+    assert ((counts - expected).abs() <= 3 * sigma + 1).all()

@@ -29,7 +29,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.request import Request, SamplingParams
-from engine.runner.sampler import apply_repetition_penalty, logits_to_probs
+from engine.runner.sampler import apply_repetition_penalty, draw_token, logits_to_probs, uniform
 
 
 class NgramProposer:
@@ -137,7 +137,7 @@ def verify(
             accept = float(p[drafted])
         else:  # accept with min(1, p(d) / q(d)); q(d) > 0 as d was drawn from q
             accept = float(p[drafted] / draft_probs[i, drafted].clamp_min(1e-30))
-        draw = float(torch.rand((), generator=generator, device=logits.device))
+        draw = uniform(generator)
         if accept >= 1.0 or draw < accept:
             out.append(int(drafted))
             continue
@@ -148,9 +148,9 @@ def verify(
             residual = (p - draft_probs[i]).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:  # p == q (rounding): the rejection had p(d) < q(d)
             residual = p
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        out.append(draw_token(residual, generator))
         return out
-    return [*out, int(torch.multinomial(probs[len(draft)], 1, generator=generator))]
+    return [*out, draw_token(probs[len(draft)], generator)]
 
 
 def _target_probs(

@@ -34,7 +34,7 @@ from engine.runner.models.layer_ops import TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
 from engine.runner.models.prepack import can_prepack, prepack_linears
 from engine.runner.quant import QuantSummary
-from engine.runner.sampler import greedy_tokens, logits_to_probs
+from engine.runner.sampler import draw_tokens, greedy_tokens, logits_to_probs
 
 GeneratorOf = Callable[[Request], torch.Generator | None]
 
@@ -269,9 +269,10 @@ class DraftModel:
         if sampling:
             rows = torch.tensor(sampling, device=logits.device)
             probs = _draft_probs(logits[rows], [active[i] for i in sampling])
-        for j, i in enumerate(sampling):
-            request = active[i].scheduled.request
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generator_of(request)))
+        if sampling:
+            generators = [generator_of(active[i].scheduled.request) for i in sampling]
+            for i, token in zip(sampling, draw_tokens(probs, generators), strict=True):
+                tokens[i] = token
         for i, r in enumerate(active):
             entry = drafts.setdefault(r.scheduled.request.request_id, ([], []))
             entry[0].append(tokens[i])
