@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.sampling import reference_probs
 from engine.request import SamplingParams
 from engine.runner import sampler
 from engine.runner.sampler import apply_repetition_penalty, greedy_tokens, logits_to_probs, sample
@@ -92,22 +93,6 @@ def test_greedy_tokens_are_argmax_with_its_tie_and_nan_rules():
     assert greedy_tokens(x) == x.argmax(dim=-1).tolist() == [5, 7, 0, 100, x[4].argmax().item()]
 
 
-def _sort_reference(logits, temperature, top_k, top_p, min_p):
-    """The filtering as first written: a full sort of every row."""
-    probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-    probs = probs.masked_fill(probs < threshold, 0.0)
-    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1]).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, probs.shape[-1]).unsqueeze(1)
-    drop = ranks >= k
-    kept = sorted_probs.masked_fill(drop, 0.0)
-    mass_before = kept.cumsum(dim=-1) - kept
-    drop |= mass_before >= top_p.unsqueeze(1) * kept.sum(dim=-1, keepdim=True)
-    probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs.masked_fill(drop, 0.0))
-    return probs / probs.sum(dim=-1, keepdim=True)
-
-
 @pytest.mark.parametrize("spread", [2.0, 0.05], ids=["peaked", "flat: past the candidates"])
 def test_top_k_top_p_from_candidates_match_a_full_sort(spread):
     """logits_to_probs ranks from the top TOP_CANDIDATES (topk) and sorts a whole row only
@@ -122,9 +107,9 @@ def test_top_k_top_p_from_candidates_match_a_full_sort(spread):
     top_p = torch.tensor([1.0, 1.0, 0.9, 0.95, 0.5, 1.0, 0.99])
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0])
     args = (logits, temperature, top_k, top_p, min_p)
-    assert torch.allclose(logits_to_probs(*args), _sort_reference(*args), rtol=1e-5, atol=1e-8)
+    assert torch.allclose(logits_to_probs(*args), reference_probs(*args), rtol=1e-5, atol=1e-8)
     only_k = (logits[:2], temperature[:2], torch.tensor([5, 40]), torch.ones(2), torch.zeros(2))
-    assert torch.allclose(logits_to_probs(*only_k), _sort_reference(*only_k), atol=1e-8)
+    assert torch.allclose(logits_to_probs(*only_k), reference_probs(*only_k), atol=1e-8)
 
 
 def test_draws_never_land_on_a_token_without_mass(monkeypatch):
