@@ -7,10 +7,12 @@
 awq runs the embedded model's AutoAWQ checkpoint at --quantization-group-size (engine/quantize:
 made once, 33 minutes measured on 2 busy CPU cores, if `make quantize` has not made it yet).
 
-For each format the engine is built afresh (same model, same seed) and measured four ways:
+Every format's engine is built (same model, same seed; all loaded at once, each with its own KV
+cache), then timed in --rounds rounds that take the formats in turn (medians reported, each
+round's values listed). Measured four ways:
 - weight bytes: the weights as stored (quantized values + scales + zeros; the embedding and the
   norms stay 16-bit), and the bytes the cost model says one step reads;
-- batch-1 TPOT: prompts sent one at a time, median of their time per output token;
+- batch-1 TPOT: 3 prompts sent one at a time, median of their time per output token;
 - batch-64 decode: 64 requests at once, output tokens per second over the steps that only
   decoded all 64 (prefill excluded);
 - greedy agreement with "none": for a fixed set of text prompts, the fraction of output
@@ -56,44 +58,68 @@ TEXT_PROMPTS = [
 ]
 
 
-def measure(config: EngineConfig, output_len: int, prompt_len: int) -> dict:
+def load(config: EngineConfig, prompt_len: int) -> tuple[LLM, list[list[int]]]:
+    """The format's engine, warmed up, and its batch-64 prompts (the same for every format)."""
     llm = LLM(**dataclasses.asdict(config))
-    greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     vocab = llm.engine.source.arch.vocab_size
     rng = random.Random(0)
     batch = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(BATCH_SIZE)]
     # Warm-up at both batch shapes: oneDNN builds a primitive per new matmul shape.
     llm.generate(batch, SamplingParams(max_tokens=3, ignore_eos=True))
+    llm.generate(batch[:1], SamplingParams(max_tokens=3, ignore_eos=True))
+    return llm, batch
 
+
+def time_round(llm: LLM, batch: list[list[int]], output_len: int) -> dict:
+    """One timing round: batch-1 TPOT (median of 3 requests) and batch-64 decode."""
+    greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     tpots = [llm.generate([p], greedy)[0].metrics.tpot_s for p in batch[:3]]
-
     first_step = llm.engine.num_steps
     start = time.perf_counter()
     llm.generate(batch, greedy)
     batch_s = time.perf_counter() - start
     steps = [s for s in llm.stats().steps if s.step_index >= first_step]
     full = [s for s in steps if s.kind == "decode" and s.num_decode_reqs == BATCH_SIZE]
-    decode_tok_per_s = sum(s.num_decode_tokens for s in full) / sum(s.duration_s for s in full)
+    return {
+        "batch1_tpot_ms": statistics.median(tpots) * 1e3,
+        "batch64_decode_tokens_per_s": (
+            sum(s.num_decode_tokens for s in full) / sum(s.duration_s for s in full)
+        ),
+        "batch64_decode_steps": len(full),
+        "batch64_output_tokens_per_s": BATCH_SIZE * output_len / batch_s,
+    }
 
+
+def describe(llm: LLM, config: EngineConfig, rounds: list[dict], output_len: int) -> dict:
+    """A format's report: its weights, the median of its rounds (each round's values listed
+    too), and its greedy tokens on TEXT_PROMPTS (for agreement)."""
+    greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     texts = llm.generate(TEXT_PROMPTS, greedy)
     runner = llm.engine.runner
     summary = runner.quant_summary
-    report = {
+
+    def median(key: str, digits: int) -> float:
+        return round(statistics.median(r[key] for r in rounds), digits)
+
+    return {
         "quantization": config.quantization,
         "group_size": summary.group_size if summary else None,
         "weight_bytes": runner.weight_bytes,
         "linear_bytes_per_param": round(runner.linear_bytes_per_param or runner.dtype.itemsize, 4),
         "bytes_read_per_step": int(llm.engine.shape.weight_bytes),
         "dequant_min_rows": summary.dequant_min_rows if summary else None,
-        "batch1_tpot_ms": round(statistics.median(tpots) * 1e3, 2),
-        "batch64_decode_tokens_per_s": round(decode_tok_per_s, 1),
-        "batch64_decode_steps": len(full),
-        "batch64_output_tokens_per_s": round(BATCH_SIZE * output_len / batch_s, 1),
+        "batch1_tpot_ms": median("batch1_tpot_ms", 2),
+        "batch64_decode_tokens_per_s": median("batch64_decode_tokens_per_s", 1),
+        "batch64_decode_steps": rounds[-1]["batch64_decode_steps"],
+        "batch64_output_tokens_per_s": median("batch64_output_tokens_per_s", 1),
+        "rounds": {
+            "batch1_tpot_ms": [round(r["batch1_tpot_ms"], 2) for r in rounds],
+            "batch64_decode_tokens_per_s": [
+                round(r["batch64_decode_tokens_per_s"], 1) for r in rounds
+            ],
+        },
         "token_ids": [o.token_ids for o in texts],
     }
-    del llm
-    gc.collect()
-    return report
 
 
 def agreement(runs: list[dict]) -> None:
@@ -113,6 +139,12 @@ def build_parser():
     p = bench_parser(__doc__, exclude=("quantization", "max_num_seqs"))
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request")
     p.add_argument("--prompt-len", type=int, default=16, help="batch-64 prompt tokens")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timing rounds, the formats in turn each round (medians reported)",
+    )
     p.add_argument("--formats", default=",".join(FORMATS),
                    help="comma-separated, the first is the baseline (default: all)")  # fmt: skip
     return p
@@ -135,9 +167,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # Every format's engine at once, then timing rounds that take the formats in turn: the
+    # host's speed drifts by 15-25 % over minutes, and run one after the other, the formats
+    # measured later got whatever the host was doing then.
+    configs = [config.replace(quantization=f) for f in formats]
+    engines = [load(c, args.prompt_len) for c in configs]
+    rounds: list[list[dict]] = [[] for _ in formats]
+    for _ in range(args.rounds):
+        for (llm, batch), results in zip(engines, rounds, strict=True):
+            results.append(time_round(llm, batch, args.output_len))
     runs = [
-        measure(config.replace(quantization=f), args.output_len, args.prompt_len) for f in formats
+        describe(llm, c, r, args.output_len)
+        for (llm, _), c, r in zip(engines, configs, rounds, strict=True)
     ]
+    del engines
+    gc.collect()
     agreement(runs)
     base = runs[0]
     for run in runs:
@@ -152,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {
             "output_len": args.output_len,
             "batch1_requests": 3,
+            "rounds": args.rounds,
             "batch64_prompt_len": args.prompt_len,
             "agreement_prompts": len(TEXT_PROMPTS),
             "greedy": True,

@@ -14,7 +14,7 @@ def test_bench_quant_reports_each_format_against_none(tmp_path, capsys):
     out = tmp_path / "bench_quant.json"
     argv = ["--model", "random:tiny", "--dtype", "float32", "--output-len", "4",
             "--prompt-len", "4", "--quantization-group-size", "32", "--json", str(out),
-            "--formats", "none,int8,int4"]  # fmt: skip
+            "--formats", "none,int8,int4", "--rounds", "2"]  # fmt: skip
     assert bench_quant.main(argv) == 0
     report = json.loads(out.read_text())
     assert report == json.loads(capsys.readouterr().out)
@@ -28,6 +28,7 @@ def test_bench_quant_reports_each_format_against_none(tmp_path, capsys):
     for run in runs.values():
         assert run["batch1_tpot_ms"] > 0 and run["batch64_decode_tokens_per_s"] > 0
         assert run["batch64_decode_steps"] > 0 and 0.0 <= run["greedy_token_agreement"] <= 1.0
+        assert [len(v) for v in run["rounds"].values()] == [2, 2]  # the formats took turns
 
 
 def test_formats_are_checked(capsys):
