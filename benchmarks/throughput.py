@@ -124,6 +124,19 @@ def roofline_report(steps: list[StepStats], device: str, dtype: str, duration_s:
     bound_s = roofline_bound_s(ceilings, dtype, ((s.flops, s.bytes_moved) for s in steps))
     decode_bound_s = roofline_bound_s(ceilings, dtype, ((s.flops, s.bytes_moved) for s in decode))
     decode_s = sum(s.duration_s for s in decode)
+    by_kind = {}  # where the run's time went against its bound: decode vs mixed / prefill steps
+    for kind in sorted({s.kind for s in steps}):
+        of_kind = [s for s in steps if s.kind == kind]
+        kind_s = sum(s.duration_s for s in of_kind)
+        kind_bound_s = roofline_bound_s(
+            ceilings, dtype, ((s.flops, s.bytes_moved) for s in of_kind)
+        )
+        by_kind[kind] = {
+            "steps": len(of_kind),
+            "time_s": round(kind_s, 3),
+            "bound_s": round(kind_bound_s, 3),
+            "fraction_of_bound": round(kind_bound_s / kind_s, 3) if kind_s else None,
+        }
     return {
         "device": ceilings.name,
         "peak_flops_per_s": ceilings.peak(dtype),
@@ -134,6 +147,7 @@ def roofline_report(steps: list[StepStats], device: str, dtype: str, duration_s:
         "decode_steps": len(decode),
         "decode_bound_s": round(decode_bound_s, 3),
         "decode_fraction_of_bound": round(decode_bound_s / decode_s, 3) if decode_s else None,
+        "by_step_kind": by_kind,
     }
 
 

@@ -54,6 +54,10 @@ def test_roofline_report_sums_the_steps_by_hand(monkeypatch):
     # prefill: max(100/10, 2/1) = 10 s; decode: max(10/10, 4/1) = 4 s.
     assert roof["bound_s"] == 14.0 and roof["fraction_of_bound"] == round(14 / 30, 3)
     assert roof["decode_bound_s"] == 4.0 and roof["decode_fraction_of_bound"] == 0.5
+    assert roof["by_step_kind"] == {
+        "decode": {"steps": 1, "time_s": 8.0, "bound_s": 4.0, "fraction_of_bound": 0.5},
+        "prefill": {"steps": 1, "time_s": 20.0, "bound_s": 10.0, "fraction_of_bound": 0.5},
+    }
 
 
 def test_bench_throughput_runs_hf_continuous_batching(tiny_hf_folder, monkeypatch):
