@@ -171,7 +171,8 @@ def draw_tokens(probs: torch.Tensor, generators: Sequence[torch.Generator | None
     total to ~1e-7 relative, even for a 1e-9 token."""
     rows, vocab = probs.shape
     pad = (-vocab) % DRAW_BLOCK
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(rows, -1, DRAW_BLOCK)
+    padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs  # no copy when whole
+    blocks = padded.reshape(rows, -1, DRAW_BLOCK)
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [R, blocks]
     total = block_cdf[:, -1:]
     u = torch.tensor([[uniform(g)] for g in generators], dtype=torch.float64, device=probs.device)
