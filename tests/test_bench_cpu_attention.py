@@ -45,8 +45,10 @@ def test_tiny_run_reports_both_placements(tmp_path, capsys, monkeypatch):
     cpu_attention.main()
     report = json.loads(out.read_text())
     assert set(report["per_layer"]) >= {
-        "cpu_kernel", "cpu_kernel_engine_placement", "read_only", "read_only_engine_placement"
+        "cpu_kernel", "cpu_kernel_engine_placement", "read_only", "read_only_engine_placement",
+        "cpu_kernel_in_cache",
     }  # fmt: skip
+    assert report["cpu_kernel_over_read_only_plus_in_cache"] > 0
     assert report["cpu_kernel_over_read_only"] > 0
     assert report["cpu_kernel_engine_placement_over_floor"] > 0
     assert report["relative_error_vs_gather_sdpa"]["cpu_kernel"] < 2e-2
