@@ -172,3 +172,33 @@ def test_stop_string_inside_drafts_keeps_logprobs_aligned(llm, tiny_hf_folder):
 def test_bad_values_name_the_field(name, value):
     with pytest.raises(ValueError, match=f"^{name}:"):
         SamplingParams(**{name: value})
+
+
+def test_batched_scoring_keeps_each_requests_k_and_fails_only_the_culprit(
+    llm, tiny_hf_folder, monkeypatch
+):
+    """A step's requests with logprobs are scored in one batched call (one log_softmax and one
+    top-k); each still gets its own number of alternatives. If that call raises, each request
+    is scored alone, and only the one whose scoring raises fails."""
+    params = [SamplingParams(max_tokens=4, temperature=0.0, logprobs=k) for k in (1, 3, 0)]
+    outs = llm.generate(PROMPTS, params)
+    for out, k in zip(outs, (1, 3, 0), strict=True):
+        _check_output(tiny_hf_folder, out, k=k, prompt_k=None)
+        assert all(len(lp.top) == k for lp in out.logprobs)
+
+    import engine.runner.logprobs as logprobs_module
+
+    real = logprobs_module.token_logprobs
+
+    def poisoned(logits, token_ids, num_top):
+        if num_top == 4:  # the batch (k = max = 4) and the poisoned request alone
+            raise RuntimeError("injected scoring failure")
+        return real(logits, token_ids, num_top)
+
+    monkeypatch.setattr(logprobs_module, "token_logprobs", poisoned)
+    params = [SamplingParams(max_tokens=4, temperature=0.0, logprobs=k) for k in (1, 4, 2)]
+    good_a, bad, good_b = llm.generate(PROMPTS, params)
+    assert bad.error and "injected scoring failure" in bad.error
+    for out, k in ((good_a, 1), (good_b, 2)):
+        assert out.error is None and len(out.token_ids) == 4
+        _check_output(tiny_hf_folder, out, k=k, prompt_k=None)
