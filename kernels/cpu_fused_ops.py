@@ -68,6 +68,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return load_extension().silu_mul(gate_up)
 
 
+def rows_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its max, NaN counting as the max (torch.argmax's rule), on
+    float32 / bfloat16 / float16 rows without widening them: int64 [rows]."""
+    return load_extension().rows_argmax(x)
+
+
 def dequant_int4(
     wt: torch.Tensor,  # [K, rows] in scale_and_zero's dtype, contiguous rows: written
     packed: torch.Tensor,  # uint8 [N, K/2], kernels/int4_pack.py's layout

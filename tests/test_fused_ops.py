@@ -78,6 +78,29 @@ def test_silu_mul_matches_torch_over_the_whole_range(fused, dtype):
     assert_close(fused.silu_mul(gate_up), REF.silu_mul(gate_up), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_is_torch_argmax_with_its_tie_and_nan_rules(fused, dtype):
+    """Greedy sampling's argmax on the head's own dtype: the first index of the max (ties, a
+    flat row, two infinities), a NaN counting as the max (the first NaN), a row of -inf giving
+    0, and widths with a scalar tail (49155 = 16 x 3072 + 3)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 49155, generator=gen)
+    x[0, 5] = x[0, 40000] = 50.0
+    x[1, 7] = x[1, 49154] = float("nan")
+    x[2] = 0.0
+    x[3, 100] = x[3, 200] = float("inf")
+    x[4] = float("-inf")
+    x[5, 49153] = 60.0  # the max in the tail
+    x[6] = torch.randint(0, 3, (49155,), generator=gen).float()
+    x = x.to(dtype)
+    expected = x.float().argmax(dim=-1)
+    assert torch.equal(fused.argmax_rows(x), expected)
+    assert torch.equal(REF.argmax_rows(x), expected)
+    for width in (1, 15, 16, 17):
+        narrow = x[:, :width].contiguous()
+        assert torch.equal(fused.argmax_rows(narrow), narrow.float().argmax(dim=-1))
+
+
 def test_bad_inputs_raise_value_errors_naming_the_argument(fused):
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="weight: contiguous"):

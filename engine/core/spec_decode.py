@@ -112,7 +112,7 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: 
 
 
 def verify(
-    logits: torch.Tensor,  # [k + 1, V] float32: rows for [last token, d_1 .. d_k]
+    logits: torch.Tensor,  # [k + 1, V] (float32 or the head's dtype): rows for [last token, d_1 .. d_k]
     draft: Sequence[int],  # d_1 .. d_k
     params: SamplingParams,
     generator: torch.Generator | None,
@@ -162,7 +162,7 @@ def _target_probs(
     rows = logits.shape[0]
     if params.repetition_penalty != 1.0:
         seen = [[*history, *draft[:i]] for i in range(rows)]
-        logits = apply_repetition_penalty(logits, seen, [params.repetition_penalty] * rows)
+        logits = apply_repetition_penalty(logits.float(), seen, [params.repetition_penalty] * rows)
     if params.greedy:
         return logits
     device = logits.device

@@ -377,7 +377,7 @@ class ModelRunner:
         # rows < i, so keep the states to replay them (a few bytes per random request).
         states = [g.get_state() if g is not None else None for g in generators]
         rows = [row for _, row in samplers]
-        batch_logits = logits  # every row in order, the usual case: no copy (64 x 49152 float32
+        batch_logits = logits  # every row in order, the usual case: no copy (64 x 49152 logits
         if rows != list(range(logits.shape[0])):  # rows took 0.8-2.8 ms to index on CPU)
             batch_logits = logits[torch.tensor(rows, device=self.device)]
         try:
@@ -386,6 +386,7 @@ class ModelRunner:
                 [r.params for r in requests],
                 generators,
                 [_penalty_history(r) for r in requests],
+                self.layer_ops.argmax_rows,
             )
         except Exception:
             for gen, state in zip(generators, states, strict=True):
@@ -404,7 +405,7 @@ class ModelRunner:
             try:
                 token = sample(
                     logits[row : row + 1], [r.params], [self._generator(r)],
-                    [_penalty_history(r)],
+                    [_penalty_history(r)], self.layer_ops.argmax_rows,
                 )[0]  # fmt: skip
             except Exception as exc:
                 fail_request(r, "sampling", exc, result)

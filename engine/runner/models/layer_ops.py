@@ -60,6 +60,13 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)  # [T, 2I]: gate then up
         return F.silu(gate) * up
 
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy sampling's argmax of each row of [N, V] logits in the head's dtype: the
+        first index of the max, NaN counting as the max (torch.argmax's rule). Through
+        max(dim): on CPU torch's argmax of float32 [64, 49152] took 2.7 ms against max's 0.9
+        (2-core Xeon)."""
+        return logits.max(dim=-1).indices
+
 
 class FusedOps(TorchOps):
     """One kernel call per op through `impl`, a module with the signatures of
@@ -100,6 +107,13 @@ class CpuFusedOps(FusedOps):
         # a Python wrapper per call was ~1 us of ~4 at batch 1.
         self.impl = cpu_fused_ops.load_extension()
         self.kernels = cpu_fused_ops  # the checked wrappers; quantized linears share them
+
+    def argmax_rows(self, logits):
+        # On the 16-bit logits as the head wrote them, no float32 copy: 64 x 49152 bfloat16
+        # in 0.18 ms against 1.1 ms for widening + max(dim) (2-core Xeon).
+        if logits.device.type != "cpu" or logits.dim() != 2:
+            return super().argmax_rows(logits)
+        return self.impl.rows_argmax(logits)
 
 
 class TritonFusedOps(FusedOps):

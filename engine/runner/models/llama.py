@@ -223,11 +223,14 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab] (lm_head in the model dtype, as HF does).
-        A quantized model has its own lm_head module even when the embeddings are tied."""
+        """[N, hidden] -> logits [N, vocab] in the model dtype (lm_head in the model dtype, as
+        HF does). Not widened here: greedy sampling compares them as they are (a float32 copy
+        of 64 x 49152 was ~0.4 ms on CPU), and what needs float32 (sampling's softmax,
+        penalties, logprobs) widens its own rows. A quantized model has its own lm_head module
+        even when the embeddings are tied."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into our packed layers."""
