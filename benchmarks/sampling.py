@@ -3,7 +3,9 @@
     python -m benchmarks.sampling                          # 1, 8, 64 rows of a 49152 vocabulary
     python -m benchmarks.sampling --rows 64 --repeats 20
 
-The plain way (as the engine did until 2026-12-05, and as a first torch version is written):
+Greedy rows: the LM head's bfloat16 logits, argmax through the engine's CPU layer ops (a C++
+op over the 16-bit rows) against widening them to float32 and torch.argmax. Sampled rows: the
+plain way (as the engine did until 2026-12-05, and as a first torch version is written):
 softmax, a full descending sort of every row when a top-k / top-p filters, then torch.multinomial per row
 with the request's generator. The engine's (engine/runner/sampler.py): top-k / top-p ranked
 from torch.topk's largest TOP_CANDIDATES (a row whose top-p prefix reaches past them sorted
@@ -28,8 +30,12 @@ import torch
 from benchmarks.common import emit
 from engine.request import SamplingParams
 from engine.runner import sampler
+from engine.runner.models.layer_ops import make_layer_ops
+from engine.runner.models.presets import MODEL_PRESETS
+from engine.runner.sampler import Argmax
 
 MODES = {
+    "greedy": SamplingParams(temperature=0.0),
     "temperature 0.7": SamplingParams(temperature=0.7),
     "top-p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
     "top-k 50": SamplingParams(temperature=0.7, top_k=50),
@@ -65,6 +71,8 @@ def reference_probs(
 def reference_sample(
     logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
 ) -> list[int]:
+    if params.greedy:
+        return logits.float().argmax(dim=-1).tolist()
     rows = logits.shape[0]
     probs = reference_probs(
         logits,
@@ -88,12 +96,14 @@ def lm_shaped_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return out
 
 
-def time_case(logits: torch.Tensor, params: SamplingParams, repeats: int, seed: int) -> dict:
+def time_case(
+    logits: torch.Tensor, params: SamplingParams, repeats: int, seed: int, argmax: Argmax
+) -> dict:
     """Both samplers on the same rows and seeded generators, interleaved repeat by repeat."""
     rows = logits.shape[0]
     gens = [torch.Generator().manual_seed(seed + i) for i in range(rows)]
     runs: dict[str, Callable[[], object]] = {
-        "engine": lambda: sampler.sample(logits, [params] * rows, gens),
+        "engine": lambda: sampler.sample(logits, [params] * rows, gens, argmax=argmax),
         "plain_torch": lambda: reference_sample(logits, params, gens),
     }
     for run in runs.values():
@@ -123,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    ops, why_not = make_layer_ops(True, torch.device("cpu"), MODEL_PRESETS["smollm2-135m"])
     results: dict[str, dict] = {}
     shape: dict[str, dict[str, float]] = {}
     for rows in args.rows:
@@ -134,13 +145,18 @@ def main(argv: list[str] | None = None) -> dict:
             "top_candidates_mass_mean": round(float(probs.topk(width).values.sum(-1).mean()), 3),
         }
         for name, params in MODES.items():
-            results[f"{rows} rows, {name}"] = time_case(logits, params, args.repeats, args.seed)
+            # Greedy rows see the LM head's bfloat16 output as it is; the others widen it.
+            rows_in = logits.bfloat16() if params.greedy else logits
+            results[f"{rows} rows, {name}"] = time_case(
+                rows_in, params, args.repeats, args.seed, ops.argmax_rows
+            )
     report = {
         "benchmark": "sampling",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "threads": torch.get_num_threads(),
         "vocab": args.vocab,
         "top_candidates": sampler.TOP_CANDIDATES,
+        "greedy_argmax": ops.name if why_not is None else f"torch ({why_not})",
         "logits_at_temperature_0.7": shape,
         "per_case": results,
     }
