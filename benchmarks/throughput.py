@@ -120,10 +120,7 @@ def roofline_report(steps: list[StepStats], device: str, dtype: str, duration_s:
     fraction of that bound the run achieved (bound / measured wall time), which unlike a tok/s
     figure does not depend on which CPU ran it."""
     ceilings = get_ceilings(device)
-    decode = [s for s in steps if s.kind == "decode"]
     bound_s = roofline_bound_s(ceilings, dtype, ((s.flops, s.bytes_moved) for s in steps))
-    decode_bound_s = roofline_bound_s(ceilings, dtype, ((s.flops, s.bytes_moved) for s in decode))
-    decode_s = sum(s.duration_s for s in decode)
     by_kind = {}  # where the run's time went against its bound: decode vs mixed / prefill steps
     for kind in sorted({s.kind for s in steps}):
         of_kind = [s for s in steps if s.kind == kind]
@@ -137,6 +134,7 @@ def roofline_report(steps: list[StepStats], device: str, dtype: str, duration_s:
             "bound_s": round(kind_bound_s, 3),
             "fraction_of_bound": round(kind_bound_s / kind_s, 3) if kind_s else None,
         }
+    decode = by_kind.get("decode", {"steps": 0, "bound_s": 0.0, "fraction_of_bound": None})
     return {
         "device": ceilings.name,
         "peak_flops_per_s": ceilings.peak(dtype),
@@ -144,9 +142,9 @@ def roofline_report(steps: list[StepStats], device: str, dtype: str, duration_s:
         "num_steps": len(steps),
         "bound_s": round(bound_s, 3),
         "fraction_of_bound": round(bound_s / duration_s, 3),
-        "decode_steps": len(decode),
-        "decode_bound_s": round(decode_bound_s, 3),
-        "decode_fraction_of_bound": round(decode_bound_s / decode_s, 3) if decode_s else None,
+        "decode_steps": decode["steps"],
+        "decode_bound_s": decode["bound_s"],
+        "decode_fraction_of_bound": decode["fraction_of_bound"],
         "by_step_kind": by_kind,
     }
 

@@ -12,8 +12,9 @@
 // sum, the normalized activations before the weight, silu's output), so bfloat16 runs differ
 // from the torch ops only by float32 summation order, RoPE's cos/sin kept in float32 (the
 // torch path rounds them to the model dtype first), silu's reciprocal (~1 ulp of float32) and,
-// with AVX512-BF16, float32 subnormals rounding to zero (cpu_simd.h, store_bf16x16). Rows are independent: parallel over rows,
-// single-threaded for a decode step's few rows (a parallel region costs more than the work).
+// with AVX512-BF16, float32 subnormals rounding to zero (cpu_simd.h, store_bf16x16). Rows are
+// independent: parallel over rows, single-threaded for a decode step's few rows (a parallel
+// region costs more than the work).
 
 #include <torch/extension.h>
 

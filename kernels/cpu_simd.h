@@ -119,8 +119,7 @@ inline void store_bf16x16(void* p, f32x16 v) {
   __m512 x;
   std::memcpy(&x, &v, sizeof x);
   _mm256_storeu_si256(static_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
-  return;
-#endif
+#else
   u32x16 bits;
   std::memcpy(&bits, &v, sizeof bits);
   const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
@@ -128,6 +127,7 @@ inline void store_bf16x16(void* p, f32x16 v) {
   const u32x16 out = (is_nan & 0x7FC0u) | (~is_nan & rounded);
   const u16x16 narrow = __builtin_convertvector(out, u16x16);
   std::memcpy(p, &narrow, sizeof narrow);
+#endif
 }
 
 // v rounded to bfloat16 and widened back to float32 lanes, in registers (store_bf16x16's
@@ -136,7 +136,8 @@ inline f32x16 round_bf16x16(f32x16 v) {
 #if defined(__AVX512BF16__)
   __m512 x;
   std::memcpy(&x, &v, sizeof x);
-  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16);
+  const __m256i narrow = (__m256i)_mm512_cvtneps_pbh(x);
+  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16);
   return bits_to_floats(u32x16(wide));
 #else
   uint16_t tmp[LANES];

@@ -112,7 +112,7 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: 
 
 
 def verify(
-    logits: torch.Tensor,  # [k + 1, V] (float32 or the head's dtype): rows for [last token, d_1 .. d_k]
+    logits: torch.Tensor,  # [k + 1, V], float32 or the head's dtype: [last token, d_1 .. d_k]
     draft: Sequence[int],  # d_1 .. d_k
     params: SamplingParams,
     generator: torch.Generator | None,

@@ -269,7 +269,6 @@ class DraftModel:
         if sampling:
             rows = torch.tensor(sampling, device=logits.device)
             probs = _draft_probs(logits[rows], [active[i] for i in sampling])
-        if sampling:
             generators = [generator_of(active[i].scheduled.request) for i in sampling]
             for i, token in zip(sampling, draw_tokens(probs, generators), strict=True):
                 tokens[i] = token

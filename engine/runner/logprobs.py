@@ -107,8 +107,9 @@ def _sampled_logprobs_batched(
     logits: torch.Tensor, wanted: list[tuple[Request, int, list[int]]], result: RunnerOutput
 ) -> bool:
     """Every wanted request's logprobs in one token_logprobs call over their rows (one
-    log_softmax and one top-k for the batch: per request, 64 rows of SmolLM2's vocabulary took
-    ~20 ms on 2 CPU cores), each request's top list cut to its own k. False (nothing written)
+    log_softmax and one top-k for the batch: 64 rows of SmolLM2's vocabulary with 5
+    alternatives took 13.6 ms request by request, 7.6 ms batched, on 2 Xeon cores), each
+    request's top list cut to its own k. False (nothing written)
     when there are fewer than two, or when the batched call raises: the caller then scores
     each request alone, so that only the one whose scoring fails fails."""
     if len(wanted) < 2:

@@ -71,12 +71,13 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     if width == vocab:
         return _sorted_top_k_top_p(probs, k, top_p)
     values, ids = probs.topk(width, dim=-1)  # sorted, largest first
+    kept = _first_k(values, k)
     # The mass top-p's prefix is measured against: what top-k keeps of the whole row.
-    total = torch.where(k < vocab, _first_k(values, k).sum(dim=-1), probs.sum(dim=-1))
+    total = torch.where(k < vocab, kept.sum(dim=-1), probs.sum(dim=-1))
     # A row with a top-k lies inside its candidates (k <= width); one with only a top-p does
     # if the candidates' mass reaches top_p of its total.
     inside = (k < vocab) | (values.sum(dim=-1) >= top_p * total)
-    out = torch.zeros_like(probs).scatter_(-1, ids, _drop_outside(values, k, top_p, total))
+    out = torch.zeros_like(probs).scatter_(-1, ids, _top_p_prefix(kept, top_p, total))
     if not bool(inside.all()):  # flat rows: their prefix is longer than the candidates
         rows = (~inside).nonzero().squeeze(1)
         out.index_copy_(0, rows, _sorted_top_k_top_p(probs[rows], k[rows], top_p[rows]))
@@ -85,8 +86,8 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 
 def _sorted_top_k_top_p(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     values, ids = probs.sort(dim=-1, descending=True)
-    kept = _drop_outside(values, k, top_p, _first_k(values, k).sum(dim=-1))
-    return torch.zeros_like(probs).scatter_(-1, ids, kept)
+    kept = _first_k(values, k)
+    return torch.zeros_like(probs).scatter_(-1, ids, _top_p_prefix(kept, top_p, kept.sum(dim=-1)))
 
 
 def _first_k(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -95,12 +96,9 @@ def _first_k(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(ranks >= k.unsqueeze(1), 0.0)
 
 
-def _drop_outside(
-    values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, total: torch.Tensor
-) -> torch.Tensor:
-    """Sorted rows (largest first) with ranks >= k dropped, then the tokens past the smallest
-    prefix whose mass reaches top_p x total (the token that crosses stays)."""
-    kept = _first_k(values, k)
+def _top_p_prefix(kept: torch.Tensor, top_p: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Sorted rows (largest first, top-k applied) with the tokens past the smallest prefix
+    whose mass reaches top_p x total dropped (the token that crosses stays)."""
     if bool((top_p < 1.0).any()):
         mass_before = kept.cumsum(dim=-1) - kept
         kept = kept.masked_fill(mass_before >= (top_p * total).unsqueeze(1), 0.0)
