@@ -330,9 +330,10 @@ def test_amx_int8_linear_matches_the_dequantized_matmul(fused, rows, n, k):
 @pytest.mark.parametrize("rows", [r for r in AMX_ROWS if r >= AMX_INT4_MIN_ROWS])
 @pytest.mark.parametrize(("n", "k", "group"), [(64, 64, 32), (192, 576, 64), (128, 1536, 128)])
 def test_amx_int4_linear_multiplies_the_one_pass_dequantized_weight(fused, rows, n, k, group):
-    """AMX W4A16 builds the same bfloat16 weights dequant_int4 writes (q * s + (zf - 8 s),
-    rounded once), so it equals x @ that weight up to float32 summation order: within one
-    bfloat16 rounding of the output, and most elements bit-equal."""
+    """AMX W4A16 builds the bfloat16 weights dequant_int4 writes ((q - 8) * s + zf rounded once;
+    its multiply-add may round a weight to the neighbouring bfloat16), so it equals x @ that
+    weight up to float32 summation order: within one bfloat16 rounding of the output, and most
+    elements bit-equal."""
     _amx_kernels(fused)
     gen = torch.Generator().manual_seed(rows * 7 + n + k + group)
     packed, scale_and_zero, _ = _int4_weight(n, k, group, gen)
