@@ -138,7 +138,8 @@ inline void build_int4_pairs(const uint8_t* block, const uint32_t* scale_zero, i
       const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
       const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
       const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
-      const __m512 off = _mm512_fnmadd_ps(s, _mm512_set1_ps(136.0f), zf);
+      const __m512 plus_136 = _mm512_set1_ps(cpu_int4_linear::ONE_TWENTY_EIGHT_PLUS_EIGHT);
+      const __m512 off = _mm512_fnmadd_ps(s, plus_136, zf);  // zf - 136 s
       scale[2 * j] = _mm512_permutexvar_ps(doubled_lo, s);
       scale[2 * j + 1] = _mm512_permutexvar_ps(doubled_hi, s);
       offset[2 * j] = _mm512_permutexvar_ps(doubled_lo, off);
@@ -159,7 +160,8 @@ inline void build_int4_pairs(const uint8_t* block, const uint32_t* scale_zero, i
           w[h] = _mm512_fmadd_ps(_mm512_castsi512_ps(f), scale[eighth], offset[eighth]);
         }
         // 16-bit lanes 0-15 from w[0] (rows 16j .. +7), 16-31 from w[1]: 16 rows' pairs.
-        _mm512_store_si512(pairs + (p * QUARTERS + j) * 16, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+        const __m512i row = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
+        _mm512_store_si512(pairs + (p * QUARTERS + j) * 16, row);
       }
     }
   }
