@@ -84,89 +84,6 @@ inline void block_product(const c10::BFloat16* x, const uint32_t* pairs, int64_t
   _tile_stored(3, acc + 48, ACC_STRIDE_BYTES);
 }
 
-// vpermb indices turning a nibble vector (bytes r < 32: row r's nibble of input k; bytes
-// 32 + r: of input k + 1) into 16 float32 lanes for 8 rows, lane l = 128 + q(8e + l/2, k + l%2):
-// the permute writes byte 2 of each lane (NIBBLE_BYTES) and keeps bytes (0, 0, -, 0x43) of
-// 128.0f, so the lane's bits are those of 128 + q (exponent 2^7, q in the mantissa). A masked
-// single-source vpermb costs half a two-source vpermt2b here (1.2 vs 2.2 cycles, 2-core Xeon).
-struct EighthIndex {
-  alignas(64) uint8_t bytes[4][64];
-  constexpr EighthIndex() : bytes{} {
-    for (int e = 0; e < 4; ++e) {
-      for (int l = 0; l < 16; ++l) {
-        bytes[e][4 * l + 2] = uint8_t((l % 2) * 32 + 8 * e + l / 2);  // the others are unused
-      }
-    }
-  }
-};
-inline constexpr EighthIndex EIGHTH_INDEX{};
-constexpr __mmask64 NIBBLE_BYTES = 0x4444444444444444ull;  // byte 2 of each 32-bit lane
-// Lane order of the doubled per-row parameters: lane l holds row l / 2 (of 8, low or high).
-struct DoubledIndex {
-  alignas(64) int32_t lanes[2][16];
-  constexpr DoubledIndex() : lanes{} {
-    for (int h = 0; h < 2; ++h) {
-      for (int l = 0; l < 16; ++l) lanes[h][l] = 8 * h + l / 2;
-    }
-  }
-};
-inline constexpr DoubledIndex DOUBLED_INDEX{};
-
-// A block of int4 weights (kernels/int4_pack.py's layout: per input k, 32 bytes whose low
-// nibbles are rows 0-31 and high nibbles rows 32-63) -> its dequantized bfloat16 pairs,
-// w = (q - 8) * s + zf computed as (128 + q) * s + (zf - 136 s) in one float32 multiply-add and
-// rounded once to bfloat16. scale_zero: the (s, zf) bfloat16 pairs of row n0 of group 0
-// ([K/G, N, 2] as 32-bit units). Per pair of inputs (128 weights): 8 byte permutes build the
-// float32 lanes straight from the nibbles, ordered (row, k), (row, k + 1) so that one
-// vcvtne2ps2bf16 of two of them is a B row of pairs with no further shuffle (~28 vector
-// instructions, where widening the nibbles to integers, converting, multiplying and adding
-// apart, then interleaving took ~52); the weight bytes are prefetched STREAM_PREFETCH_BYTES
-// ahead (they were read on demand, not overlapped with the conversion).
-inline void build_int4_pairs(const uint8_t* block, const uint32_t* scale_zero, int64_t N,
-                             int64_t K, int64_t group_size, uint32_t* pairs) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i float_bytes = _mm512_set1_epi32(0x43000000);  // 128.0f
-  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
-  __m512i index[4];
-  for (int e = 0; e < 4; ++e) index[e] = _mm512_load_si512(EIGHTH_INDEX.bytes[e]);
-  const __m512i doubled_lo = _mm512_load_si512(DOUBLED_INDEX.lanes[0]);
-  const __m512i doubled_hi = _mm512_load_si512(DOUBLED_INDEX.lanes[1]);
-  for (int64_t g = 0; g < K / group_size; ++g) {
-    // Per eighth of the block's rows (8 rows), s and zf - 136 s doubled: lane l for row l / 2.
-    __m512 scale[8], offset[8];
-    for (int j = 0; j < QUARTERS; ++j) {
-      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
-      const __m512 plus_136 = _mm512_set1_ps(cpu_int4_linear::ONE_TWENTY_EIGHT_PLUS_EIGHT);
-      const __m512 off = _mm512_fnmadd_ps(s, plus_136, zf);  // zf - 136 s
-      scale[2 * j] = _mm512_permutexvar_ps(doubled_lo, s);
-      scale[2 * j + 1] = _mm512_permutexvar_ps(doubled_hi, s);
-      offset[2 * j] = _mm512_permutexvar_ps(doubled_lo, off);
-      offset[2 * j + 1] = _mm512_permutexvar_ps(doubled_hi, off);
-    }
-    for (int64_t p = g * group_size / 2; p < (g + 1) * group_size / 2; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(block + p * 64 + cpu_simd::STREAM_PREFETCH_BYTES),
-                   _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(block + p * 64);
-      const __m512i nibbles[2] = {_mm512_and_si512(v, nibble),
-                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
-      for (int j = 0; j < QUARTERS; ++j) {
-        __m512 w[2];
-        for (int h = 0; h < 2; ++h) {
-          const int eighth = 2 * j + h;  // rows 8 eighth .. + 7 of the block
-          const __m512i f = _mm512_mask_permutexvar_epi8(float_bytes, NIBBLE_BYTES,
-                                                         index[eighth % 4], nibbles[eighth / 4]);
-          w[h] = _mm512_fmadd_ps(_mm512_castsi512_ps(f), scale[eighth], offset[eighth]);
-        }
-        // 16-bit lanes 0-15 from w[0] (rows 16j .. +7), 16-31 from w[1]: 16 rows' pairs.
-        const __m512i row = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
-        _mm512_store_si512(pairs + (p * QUARTERS + j) * 16, row);
-      }
-    }
-  }
-}
-
 // pairs_for(b, buffer) gives each 64-row block's pairs (built into `buffer`, K/2 x 256 bytes,
 // or read in place), then out [M, N] = x [M, K] @ W.T in 16-row tiles.
 template <typename PairsFor>
@@ -191,8 +108,8 @@ inline void linear_blocks(c10::BFloat16* out, const c10::BFloat16* x, int64_t M,
         for (int64_t r = 0; r < rows; ++r) {
           c10::BFloat16* dst = out + (m0 + r) * N + b * BLOCK_ROWS;
           for (int j = 0; j < QUARTERS; ++j) {
-            cpu_simd::store_bf16x16(dst + j * 16,
-                                    cpu_simd::f32x16(_mm512_load_ps(acc + r * BLOCK_ROWS + j * 16)));
+            const __m512 row = _mm512_load_ps(acc + r * BLOCK_ROWS + j * 16);
+            cpu_simd::store_bf16x16(dst + j * 16, cpu_simd::f32x16(row));
           }
         }
       }
@@ -204,8 +121,9 @@ inline void linear_blocks(c10::BFloat16* out, const c10::BFloat16* x, int64_t M,
 // int8 takes the weight as the A operand instead: a tile of A is 16 rows of 32 inputs as
 // stored, so the int8 -> bfloat16 conversion is a widening per row with no transpose (building
 // B-operand pairs, conversion and 16 x 16 transposes, cost ~60 % of a 64-row gate_up product on
-// a 2-core Xeon: 111 us at 4 rows, nearly all conversion, against 187 at 64), and x goes in as B, turned into pairs once per call: xp[(t * K/2 + p) * 16 + i] =
-// (x(16 t + i, 2p), x(16 t + i, 2p + 1)), zero past row M. The accumulators are then out.T
+// a 2-core Xeon: 111 us at 4 rows, nearly all conversion, against 187 at 64), and x goes in
+// as B, turned into pairs once per call: xp[(t * K/2 + p) * 16 + i] = (x(16 t + i, 2p),
+// x(16 t + i, 2p + 1)), zero past row M. The accumulators are then out.T
 // tiles (16 weight rows x 16 x rows), transposed in registers when written out.
 constexpr int M_TILES = 4;  // accumulator tiles: 64 x rows per pass over a weight row group
 
@@ -317,8 +235,8 @@ inline void linear_int4(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, i
                         int64_t group_size) {
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
   linear_blocks(out, x, M, K, N, [&](int64_t b, uint32_t* buffer) {
-    build_int4_pairs(packed + b * BLOCK_ROWS * K / 2, sz + b * BLOCK_ROWS, N, K, group_size,
-                     buffer);
+    cpu_int4_linear::build_dequantized_pairs(packed + b * BLOCK_ROWS * K / 2, sz + b * BLOCK_ROWS,
+                                             N, K, group_size, buffer);
     return static_cast<const uint32_t*>(buffer);
   });
 }

@@ -20,6 +20,12 @@
 // ~4 bits of the float32 sum's 24 (sum_k x a is ~16x the part that matters): still ~1e-5
 // relative, far below the bfloat16 output's rounding.
 //
+// With more than 4 rows (TILE_M) the product is bound by arithmetic, not bytes, and that per-group
+// correction would be paid again by every tile of 4 rows (a pass of 30 SmolLM2 layers at 64
+// rows ran 43.0 ms against bf16's 37.4 on a 2-core EPYC): there each block is dequantized once
+// into bfloat16 pairs, w = (q - 8) s + zf rounded to bfloat16 as dequantize + GEMM has it, and
+// the rows run cpu_pair_tiles.h's loop over them, the bf16 kernel's.
+//
 // Layout (kernels/int4_pack.py, aten's on AVX-512): a block of 64 output rows holds, for each
 // input k, 32 bytes whose low nibbles are rows 0-31 and high nibbles rows 32-63; inputs k and
 // k + 1 are adjacent, so one 64-byte load holds a pair of inputs for all 64 rows. A byte
@@ -36,6 +42,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "cpu_pair_tiles.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -45,9 +52,9 @@
 
 namespace cpu_int4_linear {
 
-constexpr int BLOCK_ROWS = 64;  // output rows per packed block
-constexpr int QUARTERS = 4;     // 16-row vectors per block
-constexpr int TILE_M = 4;       // x rows per pass over a block (its bytes stay in L1/L2)
+constexpr int BLOCK_ROWS = cpu_pair_tiles::BLOCK_ROWS;  // output rows per packed block
+constexpr int QUARTERS = cpu_pair_tiles::QUARTERS;      // 16-row vectors per block
+constexpr int TILE_M = cpu_pair_tiles::TILE_M;  // up to this many x rows: the nibbles directly
 
 // vpermt2b indices building quarter `quarter % 2` of a nibble vector's rows (quarters 0-1
 // from the low nibbles, 2-3 from the high ones): lane r's four bytes are (row's k byte, 0x43,
@@ -68,19 +75,12 @@ struct PairIndex {
 inline constexpr PairIndex PAIR_INDEX{};
 constexpr float ONE_TWENTY_EIGHT_PLUS_EIGHT = 136.0f;  // the a(k) offset plus the layout's 8
 
-// Where a tile of x rows gets the block's bfloat16 pairs: built from the nibbles (one tile),
-// built and kept in a scratch (the first of several tiles), or read back from it (the others:
-// with more than 4 rows the conversion is done once per block, not once per tile, and the
-// block's 16-bit pairs, K/2 x 256 bytes, stay in L2).
-enum class Pairs { BUILD, BUILD_AND_KEEP, REUSE };
-
 // acc[m][quarter] += sum over the group's input pairs of (128 + q) * x, for MR x rows.
 // Two accumulator sets (even and odd pairs) when they fit the registers: a vdpbf16ps waits on
 // the previous one into the same accumulator, and 4 chains do not cover its latency.
-template <int MR, Pairs SOURCE>
+template <int MR>
 __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int64_t pairs,
                                                       const uint32_t* const* x_pairs,
-                                                      __m512i* kept,
                                                       __m512 (&acc)[MR][QUARTERS]) {
   constexpr int SETS = MR <= 2 ? 2 : 1;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -95,24 +95,15 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
   }
   for (int64_t p = 0; p < pairs; p += SETS) {
     for (int s = 0; s < SETS; ++s) {
-      __m512i w[QUARTERS];
-      __m512i* keep = kept + (p + s) * QUARTERS;
-      if constexpr (SOURCE == Pairs::REUSE) {
-        for (int j = 0; j < QUARTERS; ++j) w[j] = _mm512_loadu_si512(keep + j);
-      } else {
-        const uint8_t* ahead = bytes + (p + s) * 64 + cpu_simd::STREAM_PREFETCH_BYTES;
-        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(bytes + (p + s) * 64);
-        const __m512i lo = _mm512_and_si512(v, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        w[0] = _mm512_permutex2var_epi8(lo, index_lo, high_byte);
-        w[1] = _mm512_permutex2var_epi8(lo, index_hi, high_byte);
-        w[2] = _mm512_permutex2var_epi8(hi, index_lo, high_byte);
-        w[3] = _mm512_permutex2var_epi8(hi, index_hi, high_byte);
-        if constexpr (SOURCE == Pairs::BUILD_AND_KEEP) {
-          for (int j = 0; j < QUARTERS; ++j) _mm512_storeu_si512(keep + j, w[j]);
-        }
-      }
+      const uint8_t* ahead = bytes + (p + s) * 64 + cpu_simd::STREAM_PREFETCH_BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(bytes + (p + s) * 64);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      const __m512i w[QUARTERS] = {_mm512_permutex2var_epi8(lo, index_lo, high_byte),
+                                   _mm512_permutex2var_epi8(lo, index_hi, high_byte),
+                                   _mm512_permutex2var_epi8(hi, index_lo, high_byte),
+                                   _mm512_permutex2var_epi8(hi, index_hi, high_byte)};
       for (int m = 0; m < MR; ++m) {
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(x_pairs[m][p + s]));
         for (int j = 0; j < QUARTERS; ++j) {
@@ -130,10 +121,10 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
 
 
 // One 64-row block for MR x rows: out[m][n0 .. n0 + 63].
-template <int MR, Pairs SOURCE>
+template <int MR>
 void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int64_t group_size,
                 const uint32_t* const* x_pairs, const float* x_group_sums, int64_t groups,
-                __m512i* kept, c10::BFloat16* const* out) {
+                c10::BFloat16* const* out) {
   __m512 total[MR][QUARTERS];
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < QUARTERS; ++j) total[m][j] = _mm512_setzero_ps();
@@ -143,8 +134,7 @@ void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int
     const uint32_t* group_pairs[MR];
     for (int m = 0; m < MR; ++m) group_pairs[m] = x_pairs[m] + g * pairs;
     __m512 acc[MR][QUARTERS];
-    group_dots<MR, SOURCE>(block + g * group_size * 32, pairs, group_pairs,
-                           kept + g * pairs * QUARTERS, acc);
+    group_dots<MR>(block + g * group_size * 32, pairs, group_pairs, acc);
     for (int j = 0; j < QUARTERS; ++j) {
       // 16 rows' (s, zf) bfloat16 pairs: s in the low half of each 32-bit lane.
       const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
@@ -166,29 +156,86 @@ void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int
   }
 }
 
-template <Pairs SOURCE>
-void tile_rows(int mr, const uint8_t* block, const uint32_t* sz, int64_t N, int64_t group_size,
-               const uint32_t* const* x_pairs, const float* sums, int64_t groups, __m512i* kept,
-               c10::BFloat16* const* o) {
-  switch (mr) {
-    case 4: return block_rows<4, SOURCE>(block, sz, N, group_size, x_pairs, sums, groups, kept, o);
-    case 3: return block_rows<3, SOURCE>(block, sz, N, group_size, x_pairs, sums, groups, kept, o);
-    case 2: return block_rows<2, SOURCE>(block, sz, N, group_size, x_pairs, sums, groups, kept, o);
-    default: return block_rows<1, SOURCE>(block, sz, N, group_size, x_pairs, sums, groups, kept, o);
+// vpermb indices turning a nibble vector (bytes r < 32: row r's nibble of input k; bytes
+// 32 + r: of input k + 1) into 16 float32 lanes for 8 rows, lane l = 128 + q(8e + l/2, k + l%2):
+// the permute writes byte 2 of each lane (NIBBLE_BYTES) and keeps bytes (0, 0, -, 0x43) of
+// 128.0f, so the lane's bits are those of 128 + q (exponent 2^7, q in the mantissa). A masked
+// single-source vpermb costs half a two-source vpermt2b here (1.2 vs 2.2 cycles, 2-core Xeon).
+struct EighthIndex {
+  alignas(64) uint8_t bytes[4][64];
+  constexpr EighthIndex() : bytes{} {
+    for (int e = 0; e < 4; ++e) {
+      for (int l = 0; l < 16; ++l) {
+        bytes[e][4 * l + 2] = uint8_t((l % 2) * 32 + 8 * e + l / 2);  // the others are unused
+      }
+    }
   }
-}
+};
+inline constexpr EighthIndex EIGHTH_INDEX{};
+constexpr __mmask64 NIBBLE_BYTES = 0x4444444444444444ull;  // byte 2 of each 32-bit lane
+// Lane order of the doubled per-row parameters: lane l holds row l / 2 (of 8, low or high).
+struct DoubledIndex {
+  alignas(64) int32_t lanes[2][16];
+  constexpr DoubledIndex() : lanes{} {
+    for (int h = 0; h < 2; ++h) {
+      for (int l = 0; l < 16; ++l) lanes[h][l] = 8 * h + l / 2;
+    }
+  }
+};
+inline constexpr DoubledIndex DOUBLED_INDEX{};
 
-inline void tile(Pairs source, int mr, const uint8_t* block, const uint32_t* sz, int64_t N,
-                 int64_t group_size, const uint32_t* const* x_pairs, const float* sums,
-                 int64_t groups, __m512i* kept, c10::BFloat16* const* o) {
-  switch (source) {
-    case Pairs::BUILD:
-      return tile_rows<Pairs::BUILD>(mr, block, sz, N, group_size, x_pairs, sums, groups, kept, o);
-    case Pairs::BUILD_AND_KEEP:
-      return tile_rows<Pairs::BUILD_AND_KEEP>(mr, block, sz, N, group_size, x_pairs, sums, groups,
-                                              kept, o);
-    default:
-      return tile_rows<Pairs::REUSE>(mr, block, sz, N, group_size, x_pairs, sums, groups, kept, o);
+// A block of int4 weights (the layout above: per input k, 32 bytes whose low
+// nibbles are rows 0-31 and high nibbles rows 32-63) -> its dequantized bfloat16 pairs,
+// w = (q - 8) * s + zf computed as (128 + q) * s + (zf - 136 s) in one float32 multiply-add and
+// rounded once to bfloat16. scale_zero: the (s, zf) bfloat16 pairs of row n0 of group 0
+// ([K/G, N, 2] as 32-bit units). Per pair of inputs (128 weights): 8 byte permutes build the
+// float32 lanes straight from the nibbles, ordered (row, k), (row, k + 1) so that one
+// vcvtne2ps2bf16 of two of them is a B row of pairs with no further shuffle (~28 vector
+// instructions, where widening the nibbles to integers, converting, multiplying and adding
+// apart, then interleaving took ~52); the weight bytes are prefetched STREAM_PREFETCH_BYTES
+// ahead (they were read on demand, not overlapped with the conversion).
+inline void build_dequantized_pairs(const uint8_t* block, const uint32_t* scale_zero, int64_t N,
+                             int64_t K, int64_t group_size, uint32_t* pairs) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i float_bytes = _mm512_set1_epi32(0x43000000);  // 128.0f
+  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
+  __m512i index[4];
+  for (int e = 0; e < 4; ++e) index[e] = _mm512_load_si512(EIGHTH_INDEX.bytes[e]);
+  const __m512i doubled_lo = _mm512_load_si512(DOUBLED_INDEX.lanes[0]);
+  const __m512i doubled_hi = _mm512_load_si512(DOUBLED_INDEX.lanes[1]);
+  for (int64_t g = 0; g < K / group_size; ++g) {
+    // Per eighth of the block's rows (8 rows), s and zf - 136 s doubled: lane l for row l / 2.
+    __m512 scale[8], offset[8];
+    for (int j = 0; j < QUARTERS; ++j) {
+      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
+      const __m512 plus_136 = _mm512_set1_ps(ONE_TWENTY_EIGHT_PLUS_EIGHT);
+      const __m512 off = _mm512_fnmadd_ps(s, plus_136, zf);  // zf - 136 s
+      scale[2 * j] = _mm512_permutexvar_ps(doubled_lo, s);
+      scale[2 * j + 1] = _mm512_permutexvar_ps(doubled_hi, s);
+      offset[2 * j] = _mm512_permutexvar_ps(doubled_lo, off);
+      offset[2 * j + 1] = _mm512_permutexvar_ps(doubled_hi, off);
+    }
+    for (int64_t p = g * group_size / 2; p < (g + 1) * group_size / 2; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(block + p * 64 + cpu_simd::STREAM_PREFETCH_BYTES),
+                   _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(block + p * 64);
+      const __m512i nibbles[2] = {_mm512_and_si512(v, nibble),
+                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+      for (int j = 0; j < QUARTERS; ++j) {
+        __m512 w[2];
+        for (int h = 0; h < 2; ++h) {
+          const int eighth = 2 * j + h;  // rows 8 eighth .. + 7 of the block
+          const __m512i f = _mm512_mask_permutexvar_epi8(float_bytes, NIBBLE_BYTES,
+                                                         index[eighth % 4], nibbles[eighth / 4]);
+          w[h] = _mm512_fmadd_ps(_mm512_castsi512_ps(f), scale[eighth], offset[eighth]);
+        }
+        // 16-bit lanes 0-15 from w[0] (rows 16j .. +7), 16-31 from w[1]: 16 rows' pairs.
+        const __m512i row = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
+        _mm512_store_si512(pairs + (p * QUARTERS + j) * 16, row);
+      }
+    }
   }
 }
 
@@ -197,7 +244,22 @@ inline void tile(Pairs source, int mr, const uint8_t* block, const uint32_t* sz,
 inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
                    const uint8_t* packed, const c10::BFloat16* scale_and_zero, int64_t N,
                    int64_t group_size) {
-  const int64_t groups = K / group_size;
+  const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
+  const int64_t blocks = N / BLOCK_ROWS, groups = K / group_size;
+  if (M > TILE_M) {  // many rows: dequantize each block once, then the bf16 pairs loop
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<__m512i> buffer(size_t(K / 2 * QUARTERS));  // K/2 x 256 bytes, in L2
+      uint32_t* pairs = reinterpret_cast<uint32_t*>(buffer.data());
+      for (int64_t b = begin; b < end; ++b) {
+        build_dequantized_pairs(packed + b * BLOCK_ROWS * K / 2, sz + b * BLOCK_ROWS, N, K,
+                                group_size, pairs);
+        const uint8_t* next = b + 1 < end ? packed + (b + 1) * BLOCK_ROWS * K / 2 : nullptr;
+        cpu_pair_tiles::all_rows(pairs, x, M, K, nullptr, out, N, b * BLOCK_ROWS, next,
+                                 BLOCK_ROWS * K / 2);
+      }
+    });
+    return;
+  }
   std::vector<float> sums(size_t(M * groups));
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -208,22 +270,17 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
       sums[size_t(m * groups + g)] = s;
     }
   }
-  const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
-  const int64_t blocks = N / BLOCK_ROWS;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    // A block's 16-bit pairs, kept for its later tiles when x has more than TILE_M rows.
-    std::vector<__m512i> kept(M > TILE_M ? size_t(K / 2 * QUARTERS) : 0);
     for (int64_t b = begin; b < end; ++b) {
+      const cpu_simd::PairTile<TILE_M> t(x, K, M, 0, out, N, b * BLOCK_ROWS);
       const uint8_t* block = packed + b * BLOCK_ROWS * K / 2;
       const uint32_t* block_sz = sz + b * BLOCK_ROWS;
-      for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-        const cpu_simd::PairTile<TILE_M> t(x, K, M, m0, out, N, b * BLOCK_ROWS);
-        const float* tile_sums = sums.data() + m0 * groups;
-        const Pairs source = M <= TILE_M ? Pairs::BUILD
-                             : m0 == 0   ? Pairs::BUILD_AND_KEEP
-                                         : Pairs::REUSE;
-        tile(source, t.rows, block, block_sz, N, group_size, t.x_pairs, tile_sums, groups,
-             kept.data(), t.out);
+      const float* s = sums.data();
+      switch (t.rows) {
+        case 4: block_rows<4>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out); break;
+        case 3: block_rows<3>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out); break;
+        case 2: block_rows<2>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out); break;
+        default: block_rows<1>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out);
       }
     }
   });

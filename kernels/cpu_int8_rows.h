@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "cpu_pair_tiles.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -30,10 +31,9 @@
 
 namespace cpu_int8_rows {
 
-constexpr int BLOCK_ROWS = 64;
-constexpr int QUARTERS = 4;   // 16-row vectors per block
-constexpr int TILE_M = 4;     // x rows per pass over a block's pairs
-constexpr int K_STEP = 32;    // inputs converted per row at a time (16 pairs)
+constexpr int BLOCK_ROWS = cpu_pair_tiles::BLOCK_ROWS;
+constexpr int QUARTERS = cpu_pair_tiles::QUARTERS;
+constexpr int K_STEP = 32;  // inputs converted per row at a time (16 pairs)
 
 // 32 int8 values -> 32 bfloat16 in order (int8 -> int32 -> float32 -> bfloat16, all exact).
 inline __m512i widen32(const int8_t* src) {
@@ -62,32 +62,6 @@ inline void build_pairs(const int8_t* block, int64_t K, uint32_t* pairs) {
   }
 }
 
-// out[m][0..63] for MR x rows over one block's pairs.
-template <int MR>
-inline void block_tile(const uint32_t* pairs, int64_t K, const uint32_t* const* x_pairs,
-                       const float* scales, c10::BFloat16* const* out) {
-  __m512 acc[MR][QUARTERS];
-  for (int m = 0; m < MR; ++m) {
-    for (int j = 0; j < QUARTERS; ++j) acc[m][j] = _mm512_setzero_ps();
-  }
-  for (int64_t p = 0; p < K / 2; ++p) {
-    __m512bh w[QUARTERS];
-    for (int j = 0; j < QUARTERS; ++j) {
-      w[j] = (__m512bh)_mm512_load_si512(pairs + (p * QUARTERS + j) * 16);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(x_pairs[m][p]));
-      for (int j = 0; j < QUARTERS; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], w[j], xb);
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    for (int j = 0; j < QUARTERS; ++j) {
-      const __m512 y = _mm512_mul_ps(acc[m][j], _mm512_loadu_ps(scales + j * 16));
-      cpu_simd::store_bf16x16(out[m] + j * 16, cpu_simd::f32x16(y));
-    }
-  }
-}
-
 // out [M, N] = x [M, K] @ (q [N, K] * s [N, None]).T; N % 64 == 0, K % 32 == 0, bfloat16 x,
 // scales and out.
 inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
@@ -100,15 +74,9 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
     for (int64_t b = begin; b < end; ++b) {
       build_pairs(q + b * BLOCK_ROWS * K, K, pairs);
       for (int r = 0; r < BLOCK_ROWS; ++r) block_scales[r] = float(scales[b * BLOCK_ROWS + r]);
-      for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-        const cpu_simd::PairTile<TILE_M> t(x, K, M, m0, out, N, b * BLOCK_ROWS);
-        switch (t.rows) {
-          case 4: block_tile<4>(pairs, K, t.x_pairs, block_scales, t.out); break;
-          case 3: block_tile<3>(pairs, K, t.x_pairs, block_scales, t.out); break;
-          case 2: block_tile<2>(pairs, K, t.x_pairs, block_scales, t.out); break;
-          default: block_tile<1>(pairs, K, t.x_pairs, block_scales, t.out); break;
-        }
-      }
+      const int8_t* next = b + 1 < end ? q + (b + 1) * BLOCK_ROWS * K : nullptr;
+      cpu_pair_tiles::all_rows(pairs, x, M, K, block_scales, out, N, b * BLOCK_ROWS, next,
+                               BLOCK_ROWS * K);
     }
   });
 }

@@ -309,7 +309,6 @@ def _amx_kernels(fused) -> None:
 # rows: 4 and 6 (the switches to AMX), 16 (one full tile), 17 and 100 (a zero-padded last
 # tile), 64 (a batch-64 step: four accumulator tiles), 65 (a second pass over the weight rows).
 AMX_ROWS = [4, 6, 16, 17, 64, 65, 100]
-AMX_INT4_MIN_ROWS = 6  # kernels/cpu_fused_ops.cpp
 
 
 @pytest.mark.parametrize("rows", AMX_ROWS)
@@ -327,14 +326,19 @@ def test_amx_int8_linear_matches_the_dequantized_matmul(fused, rows, n, k):
     assert_close(cpu_fused_ops.int8_linear(x, q, s), ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows", [r for r in AMX_ROWS if r >= AMX_INT4_MIN_ROWS])
+# From 5 rows (more than one tile of 4) cpu_int4_linear.h dequantizes each 64-row block once
+# into bfloat16 pairs and runs the bf16 kernel's loop over them; AMX does the same from 6 rows.
+INT4_DEQUANTIZED_PAIRS_MIN_ROWS = 5  # kernels/cpu_int4_linear.h: TILE_M + 1
+
+
+@pytest.mark.parametrize("rows", [5, 8, 17, 64, 100])
 @pytest.mark.parametrize(("n", "k", "group"), [(64, 64, 32), (192, 576, 64), (128, 1536, 128)])
-def test_amx_int4_linear_multiplies_the_one_pass_dequantized_weight(fused, rows, n, k, group):
-    """AMX W4A16 builds the bfloat16 weights dequant_int4 writes ((q - 8) * s + zf rounded once;
-    its multiply-add may round a weight to the neighbouring bfloat16), so it equals x @ that
-    weight up to float32 summation order: within one bfloat16 rounding of the output, and most
-    elements bit-equal."""
-    _amx_kernels(fused)
+def test_int4_linear_many_rows_multiply_the_one_pass_dequantized_weight(fused, rows, n, k, group):
+    """With many rows W4A16 (vdpbf16ps or AMX) multiplies the bfloat16 weights dequant_int4
+    writes ((q - 8) * s + zf rounded once; its multiply-add may round a weight to the
+    neighbouring bfloat16), so it equals x @ that weight up to float32 summation order: within
+    one bfloat16 rounding of the output, and most elements bit-equal."""
+    _int4_kernel(fused)
     gen = torch.Generator().manual_seed(rows * 7 + n + k + group)
     packed, scale_and_zero, _ = _int4_weight(n, k, group, gen)
     wt = torch.empty(k, n, dtype=torch.bfloat16)
@@ -380,8 +384,8 @@ def _int4_weight(n: int, k: int, group: int, gen: torch.Generator):
 
 @pytest.mark.parametrize(
     ("rows", "n", "k", "group"),
-    # rows: 1 (decode), 2 and 3 (odd tiles), 5, 9, 17 and 64 (several tiles of 4: the first
-    # builds a block's 16-bit pairs, the others reuse them); groups 32-128; SmolLM2's shapes
+    # rows: 1 (decode), 2 and 3 (odd tiles), 4 (one full tile), 5, 9, 17 and 64 (several tiles
+    # of 4 over a block's dequantized pairs); groups 32-128; SmolLM2's shapes
     # (576 = 9 x 64, 1536) and several 64-row blocks per thread.
     [(1, 64, 64, 32), (1, 576, 576, 64), (2, 960, 576, 64), (3, 128, 1536, 128),
      (5, 1536, 576, 32), (9, 192, 576, 64), (4, 3072, 576, 64), (17, 320, 1536, 128),
@@ -397,10 +401,10 @@ def test_int4_linear_matches_the_dequantized_matmul(fused, rows, n, k, group):
     ref = (x.float() @ w.T).bfloat16()
     out = cpu_fused_ops.int4_linear(x, packed, scale_and_zero, group)
     assert_close(out, ref, torch.bfloat16)
-    if rows < AMX_INT4_MIN_ROWS or not cpu_fused_ops.has_amx_linear():
-        # The vdpbf16ps kernel multiplies the float32 weight: most elements round to the
-        # reference's bfloat16 exactly (the rest to a neighbour). AMX multiplies the weight
-        # rounded to bfloat16, as dequantize + GEMM does (the AMX test below).
+    if rows < INT4_DEQUANTIZED_PAIRS_MIN_ROWS:
+        # Up to 4 rows the kernel multiplies the float32 weight: most elements round to the
+        # reference's bfloat16 exactly (the rest to a neighbour). More rows multiply the weight
+        # rounded to bfloat16, as dequantize + GEMM does (the test above).
         assert (out == ref).float().mean() > 0.9
 
 
