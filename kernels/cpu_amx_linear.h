@@ -127,33 +127,6 @@ inline void linear_blocks(c10::BFloat16* out, const c10::BFloat16* x, int64_t M,
 // tiles (16 weight rows x 16 x rows), transposed in registers when written out.
 constexpr int M_TILES = 4;  // accumulator tiles: 64 x rows per pass over a weight row group
 
-inline void build_x_pairs(const c10::BFloat16* x, int64_t M, int64_t K, uint32_t* xp) {
-  const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
-  for (int64_t t = 0; t < tiles; ++t) {
-    for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t m = t * TILE_ROWS + i;
-        r[i] = m < M ? _mm512_loadu_si512(x + m * K + 2 * p0) : _mm512_setzero_si512();
-      }
-      cpu_simd::transpose16(r);
-      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(xp + (t * K / 2 + p0 + c) * 16, r[c]);
-    }
-  }
-}
-
-// 16 int8 weight rows [16, K] -> bfloat16 [16, K] (exact), the A operand's rows. The rows are
-// contiguous, so they are one stream, prefetched STREAM_PREFETCH_BYTES ahead (on demand: a
-// pass over SmolLM2's layers at 16 rows took 11.1 ms, prefetched 9.1, bf16 9.8; 2-core Xeon).
-inline void widen_rows(const int8_t* q, int64_t K, c10::BFloat16* w) {
-  for (int64_t i = 0; i < 16 * K; i += 2 * K_STEP) {  // 16 rows of K, contiguous: 64 bytes a step
-    _mm_prefetch(reinterpret_cast<const char*>(q + i + cpu_simd::STREAM_PREFETCH_BYTES),
-                 _MM_HINT_T0);
-    _mm512_storeu_si512(w + i, cpu_int8_rows::widen32(q + i));
-    _mm512_storeu_si512(w + i + K_STEP, cpu_int8_rows::widen32(q + i + K_STEP));
-  }
-}
-
 // acc[t] (16 weight rows x 16 x rows, float32) for the `tiles` (1-4) x tiles from xp_tiles.
 template <int TILES>
 inline void rows_product(const c10::BFloat16* w, int64_t K, const uint32_t* xp_tiles,
@@ -194,14 +167,14 @@ inline void linear_int8(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, i
   const int64_t x_tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
   std::vector<__m512i> xp_buffer(size_t(x_tiles * K / 2));
   uint32_t* xp = reinterpret_cast<uint32_t*>(xp_buffer.data());
-  build_x_pairs(x, M, K, xp);
+  cpu_int8_rows::build_x_pairs(x, M, K, xp);
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     std::vector<c10::BFloat16> w(size_t(16 * K));  // 16 widened rows, in L1/L2
     alignas(64) float acc[M_TILES][256];
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * 16;
-      widen_rows(q + n0 * K, K, w.data());
+      cpu_int8_rows::widen_rows(q + n0 * K, K, w.data());
       const __m512 s = (__m512)cpu_simd::load_bf16x16(scales + n0);
       for (int64_t t0 = 0; t0 < x_tiles; t0 += M_TILES) {
         const int64_t tiles = std::min<int64_t>(M_TILES, x_tiles - t0);
@@ -212,16 +185,7 @@ inline void linear_int8(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, i
           case 2: rows_product<2>(w.data(), K, xp_tiles, acc); break;
           default: rows_product<1>(w.data(), K, xp_tiles, acc); break;
         }
-        for (int64_t t = 0; t < tiles; ++t) {
-          __m512i r[16];  // r[n] lane i: output (x row 16 (t0 + t) + i, weight row n0 + n)
-          for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(acc[t] + n * 16);
-          cpu_simd::transpose16(r);
-          const int64_t m0 = (t0 + t) * TILE_ROWS;
-          for (int64_t i = 0; i < std::min<int64_t>(TILE_ROWS, M - m0); ++i) {
-            const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(r[i]), s);
-            cpu_simd::store_bf16x16(out + (m0 + i) * N + n0, cpu_simd::f32x16(y));
-          }
-        }
+        cpu_int8_rows::write_rows(acc, tiles, t0 * TILE_ROWS, M, N, n0, s, out);
       }
     }
     _tile_release();

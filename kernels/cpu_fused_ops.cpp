@@ -714,9 +714,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   }
 #endif
 #if defined(CPU_INT8_ROWS)
-  // From 4 bfloat16 rows, whole 64-row blocks converted to bf16 pairs once (cpu_int8_rows.h);
-  // measured on SmolLM2's shapes, 2-core EPYC, cached weights: level with the kernel below at
-  // 3-4 rows, 1.3-1.9x faster at 8, and at 64 rows 1.1-1.3x faster than dequantize + oneDNN.
+  // From 4 bfloat16 rows, whole 64-row blocks converted to bf16 pairs once, from 32 rows x as
+  // the per-lane operand (cpu_int8_rows.h); measured on SmolLM2's shapes, 2-core EPYC, cached
+  // weights: level with the kernel below at 3-4 rows, 1.3-1.9x faster at 8.
   if (x.scalar_type() == at::kBFloat16 && x.size(0) >= INT8_ROWS_MIN_M &&
       qweight.size(0) % cpu_int8_rows::BLOCK_ROWS == 0 && x.size(1) % cpu_int8_rows::K_STEP == 0) {
     cpu_int8_rows::linear(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.size(0),
