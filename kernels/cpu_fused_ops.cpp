@@ -464,7 +464,7 @@ void packed_bf16_block_dp(const uint32_t* block, int64_t pairs, const uint32_t* 
   }
   auto pair = [&](int64_t p, int s) __attribute__((always_inline)) {
     const uint32_t* row_pairs = block + p * PACK_ROWS;
-    if (p < ahead_lines) __builtin_prefetch(ahead + p * 64, 0, 2);  // next block, into L2
+    if (p < ahead_lines) __builtin_prefetch(ahead + p * 64, 0, 2);  // the next block, into L2
     // This pair's 4 cache lines, STREAM_PREFETCH_BYTES ahead (cpu_simd.h; none: -8%).
     for (int line = 0; line < J; ++line) {
       _mm_prefetch(reinterpret_cast<const char*>(row_pairs + line * LANES) + STREAM_PREFETCH_BYTES,
@@ -499,7 +499,7 @@ void packed_bf16_linear_dp(torch::Tensor out, torch::Tensor x, const c10::BFloat
   const uint32_t* w = reinterpret_cast<const uint32_t*>(weight);
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   // With more than one tile, each tile requests its share of the thread's next block into L2
-  // (cpu_simd.h, prefetch_share_l2 says why).
+  // (cpu_simd.h says why, above PairTile).
   const int64_t tiles = (M + PACK_TILE_M - 1) / PACK_TILE_M, lines = pairs * PACK_ROWS * 4 / 64;
   for_block_tiles(N, M, [&](int64_t b, int64_t m0, bool next, auto rows) {
     const int64_t tile = m0 / PACK_TILE_M, first = lines * tile / tiles;

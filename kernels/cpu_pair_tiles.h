@@ -35,7 +35,7 @@ inline void block_tile(const uint32_t* pairs, int64_t K, const uint32_t* const* 
     for (int j = 0; j < QUARTERS; ++j) acc[m][j] = _mm512_setzero_ps();
   }
   for (int64_t p = 0; p < K / 2; ++p) {
-    if (p < ahead_lines) __builtin_prefetch(ahead + p * 64, 0, 2);  // a line a step, into L2
+    if (p < ahead_lines) __builtin_prefetch(ahead + p * 64, 0, 2);  // the next block, into L2
     __m512bh w[QUARTERS];
     for (int j = 0; j < QUARTERS; ++j) {
       w[j] = (__m512bh)_mm512_load_si512(pairs + (p * QUARTERS + j) * 16);

@@ -184,19 +184,10 @@ constexpr int64_t STREAM_PREFETCH_BYTES = 4096;
 
 // With many x rows a weight block is read from memory once and then multiplied from L2 tile
 // after tile (cpu_pair_tiles.h, packed_bf16_linear): the hardware prefetcher does not run ahead
-// across those tiles, so each block's first pass waited on DRAM (~13 % of a 64-row pass over
-// SmolLM2's layers on a 2-core EPYC, ~5 ms of 37). So every tile of a block requests its share,
-// part `part` of `parts`, of the thread's next block into L2 (prefetcht1): by the next block's
-// first pass its bytes are there. Always inlined (see prefetch_blocks_ahead below).
-__attribute__((always_inline)) inline void prefetch_share_l2(const void* next, int64_t bytes,
-                                                             int64_t part, int64_t parts) {
-  if (next == nullptr) return;
-  const int64_t lines = (bytes + 63) / 64;
-  const char* base = static_cast<const char*>(next);
-  for (int64_t line = lines * part / parts; line < lines * (part + 1) / parts; ++line) {
-    __builtin_prefetch(base + line * 64, 0, 2);  // locality 2: prefetcht1
-  }
-}
+// across those tiles, so each block's first pass waited on DRAM (~5 ms of a 37 ms pass over
+// SmolLM2's layers at 64 rows, 2-core EPYC). So every tile of a block requests its share of
+// the thread's next block into L2 (prefetcht1), a line per step of its loop (a burst of them
+// at the tile's start gained nothing). Where the tiles call it: "the next block, into L2".
 
 // A tile of up to TILE bfloat16 x rows (starting at row m0 of M) over one output block starting
 // at column n0: each x row seen as (x(k), x(k + 1)) pairs in 32-bit units, the operand
