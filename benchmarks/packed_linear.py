@@ -2,6 +2,7 @@
 
     python -m benchmarks.packed_linear                      # SmolLM2-135M's 30 layers
     python -m benchmarks.packed_linear --rows 1 4 64 --layers 4
+    python -m benchmarks.packed_linear --rows 4 16 64 --quantized   # + int8 / int4 kernels
 
 The model's decoder linears (q/k/v, o, gate/up, down; random bfloat16 weights, --layers of
 them, so a call streams their weights from memory as a decode step does) are packed once for
@@ -9,9 +10,11 @@ oneDNN (engine/runner/models/prepack.py). For each number of rows M, one pass ov
 is timed two ways, interleaved run by run: packed_bf16_linear (kernels/cpu_fused_ops.cpp: the
 vdpbf16ps kernel for few rows, AMX tiles from 5 rows where the CPU has them, reading the
 packed bytes in place) and torch.ops.mkldnn._linear_pointwise (oneDNN's GEMM on the same
-packed weight: what the engine calls above packed_gemv_max_rows). Prints JSON: min and median
-ms per pass and the ratio of the mins. Shapes whose packed layout the kernel cannot read are
-left out (and listed).
+packed weight: what the engine calls above packed_gemv_max_rows). With --quantized, also the
+weight-only kernels the engine's int8 and int4 (group 64) layers call on the same weights,
+quantized once (int8_linear and int4_linear: at many rows the block-pairs, x-lanes and AMX
+paths of kernels/README.md). Prints JSON: min and median ms per pass and the ratios of the
+mins. Shapes whose packed layout the kernel cannot read are left out (and listed).
 """
 
 from __future__ import annotations
@@ -31,7 +34,20 @@ from engine.runner.models.prepack import (
     packed_layout_matches,
 )
 from engine.runner.models.presets import MODEL_PRESETS
+from engine.runner.quant.formats import quantize_int4, quantize_int8
 from kernels import cpu_fused_ops
+from kernels.int4_pack import pack_int4
+
+INT4_GROUP = 64
+
+
+def quantized_forms(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors Int8Linear and Int4Linear (engine/runner/quant/linear.py) hand the kernels."""
+    q8 = quantize_int8(w)
+    q4 = quantize_int4(w, INT4_GROUP)
+    zf = (8 - q4.zeros.float()) * q4.scales  # the kernel's w = (q - 8) s + zf
+    sz4 = torch.stack([q4.scales.t(), zf.t()], dim=-1).bfloat16().contiguous()
+    return {"q8": q8.qweight, "s8": q8.scales.bfloat16(), "p4": pack_int4(q4.qweight), "sz4": sz4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantized", action="store_true", help="also time int8_linear, int4_linear")
     p.add_argument("--json", type=Path, help="also write the JSON here")
     return p.parse_args(argv)
 
@@ -59,39 +76,60 @@ def main(argv: list[str] | None = None) -> dict:
     }
     readable = {k: s for k, s in shapes.items() if packed_layout_matches(*s, torch.bfloat16)}
     gen = torch.Generator().manual_seed(args.seed)
-    weights = []  # (packed tensor, its address, N, K) per layer and shape
+    weights = []  # per layer and shape: N, K, the packed bf16 weight and its quantized forms
     for _ in range(args.layers or arch.num_layers):
         for n, k in readable.values():
             w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-            weights.append((packed, torch.ops.mkldnn.data_ptr(packed), n, k))
+            layer = {"n": n, "k": k, "packed": packed, "address": torch.ops.mkldnn.data_ptr(packed)}
+            if args.quantized:
+                layer.update(quantized_forms(w))
+            weights.append(layer)
+    paths = ["kernel", "onednn"]
+    if args.quantized:  # int4_linear needs AVX512-BF16 and VBMI (aten's kernel serves elsewhere)
+        paths += ["int8", "int4"] if cpu_fused_ops.has_int4_linear() else ["int8"]
 
-    def pass_of(rows: int, ours: bool) -> Callable[[], float]:
-        xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, _, _, k in weights}
+    def pass_of(rows: int, path: str) -> Callable[[], float]:
+        xs = {
+            layer["k"]: torch.randn(rows, layer["k"], generator=gen).bfloat16() for layer in weights
+        }
+        calls = {
+            "kernel": lambda x, w: cpu_fused_ops.packed_bf16_linear(
+                x, w["address"], w["n"], w["k"]
+            ),
+            "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(
+                x, w["packed"], None, "none", [], ""
+            ),
+            "int8": lambda x, w: cpu_fused_ops.int8_linear(x, w["q8"], w["s8"]),
+            "int4": lambda x, w: cpu_fused_ops.int4_linear(x, w["p4"], w["sz4"], INT4_GROUP),
+        }
+        call = calls[path]
 
         def run() -> float:
             start = time.perf_counter()
-            for packed, address, n, k in weights:
-                if ours:
-                    cpu_fused_ops.packed_bf16_linear(xs[k], address, n, k)
-                else:
-                    torch.ops.mkldnn._linear_pointwise(xs[k], packed, None, "none", [], "")
+            for layer in weights:
+                call(xs[layer["k"]], layer)
             return (time.perf_counter() - start) * 1e3
 
         return run
 
     results = {}
     for rows in args.rows:
-        ours, onednn = pass_of(rows, True), pass_of(rows, False)
-        ours(), onednn()  # warm-up: oneDNN builds a primitive per new shape
-        times: dict[str, list[float]] = {"kernel": [], "onednn": []}
+        runs = {path: pass_of(rows, path) for path in paths}
+        for run in runs.values():
+            run()  # warm-up: oneDNN builds a primitive per new shape
+        times: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(args.repeats):
-            times["kernel"].append(ours())
-            times["onednn"].append(onednn())
+            for path, run in runs.items():
+                times[path].append(run())
         results[str(rows)] = {
             **{f"{k}_min_ms": round(min(v), 3) for k, v in times.items()},
             **{f"{k}_median_ms": round(statistics.median(v), 3) for k, v in times.items()},
             "kernel_over_onednn": round(min(times["kernel"]) / min(times["onednn"]), 3),
+            **{
+                f"{k}_over_kernel": round(min(times[k]) / min(times["kernel"]), 3)
+                for k in paths[2:]
+            },
         }
     report = {
         "benchmark": "packed_linear",
@@ -103,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_kernel_max_rows": packed_gemv_max_rows(cpu_fused_ops),
         "shapes": {k: list(s) for k, s in readable.items()},
         "shapes_left_out": sorted(set(shapes) - set(readable)),
-        "weight_bytes_per_pass": sum(n * k * 2 for _, _, n, k in weights),
+        "weight_bytes_per_pass": sum(layer["n"] * layer["k"] * 2 for layer in weights),
+        "paths": paths,
         "per_rows": results,
     }
     emit(report, args.json)

@@ -1,5 +1,6 @@
-"""benchmarks.packed_linear on the tiny preset: both paths timed per row count, the shapes the
-kernel cannot read listed instead of timed."""
+"""benchmarks.packed_linear on the tiny preset: every path (bf16 kernel, oneDNN, and with
+--quantized the int8 and int4 kernels) timed per row count, the shapes the kernel cannot read
+listed instead of timed."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_tiny_run_times_both_paths(tmp_path):
 
     out = tmp_path / "packed.json"
     report = packed_linear.main(["--preset", "tiny", "--layers", "1", "--rows", "1", "5",
-                                 "--repeats", "1", "--json", str(out)])  # fmt: skip
+                                 "--repeats", "1", "--quantized", "--json", str(out)])  # fmt: skip
     assert report == json.loads(out.read_text())
     timed, left_out = report["shapes"], report["shapes_left_out"]
     assert set(timed) | set(left_out) == {"qkv", "o", "gate_up", "down"}
@@ -29,5 +30,7 @@ def test_tiny_run_times_both_paths(tmp_path):
     assert report["weight_bytes_per_pass"] == sum(n * k * 2 for n, k in timed.values())
     if timed:
         assert set(report["per_rows"]) == {"1", "5"}
-        assert all(r["kernel_min_ms"] > 0 and r["onednn_min_ms"] > 0
-                   for r in report["per_rows"].values())  # fmt: skip
+        assert report["paths"][:3] == ["kernel", "onednn", "int8"]
+        assert all(r[f"{path}_min_ms"] > 0 for r in report["per_rows"].values()
+                   for path in report["paths"])  # fmt: skip
+        assert all(r["int8_over_kernel"] > 0 for r in report["per_rows"].values())
