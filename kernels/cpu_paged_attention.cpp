@@ -161,14 +161,17 @@ struct WorkItem {
 // Per-thread scratch, reused across items (no allocation in the hot loop).
 struct Scratch {
   std::vector<float> q, acc, m, l, scores, k_block, v_block;
-  void size_for(int rows, int block_size, int head_dim) {
-    q.resize(size_t(rows) * head_dim);
-    acc.resize(size_t(rows) * head_dim);
-    m.resize(rows);
-    l.resize(rows);
-    scores.resize(size_t(rows) * padded(block_size));
-    k_block.resize(size_t(block_size) * head_dim);
-    v_block.resize(size_t(block_size) * head_dim);
+  void size_for(int rows, int block_size, int head_dim) {  // grows only
+    auto at_least = [](std::vector<float>& v, size_t n) {
+      if (v.size() < n) v.resize(n);
+    };
+    at_least(q, size_t(rows) * head_dim);
+    at_least(acc, size_t(rows) * head_dim);
+    at_least(m, size_t(rows));
+    at_least(l, size_t(rows));
+    at_least(scores, size_t(rows) * padded(block_size));
+    at_least(k_block, size_t(block_size) * head_dim);
+    at_least(v_block, size_t(block_size) * head_dim);
   }
 };
 
@@ -377,7 +380,9 @@ void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q
   // torch's intra-op thread count; dynamic schedule: items differ in context length.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    Scratch scratch;
+    // Kept per thread across calls (torch's OpenMP threads persist): sizing it afresh each call
+    // allocated and zeroed ~30 KB per thread, a decode step's 30 calls a token included.
+    static thread_local Scratch scratch;
     scratch.size_for(max_rows, p.block_size, p.head_dim);
 #if defined(CPU_PREFILL_AMX)
     cpu_prefill_amx::Scratch amx_scratch;
