@@ -310,7 +310,6 @@ void dequant_int8_impl(torch::Tensor w, torch::Tensor qweight, torch::Tensor sca
 // once per call.
 constexpr int64_t INT8_ROWS = 4;
 constexpr int INT8_TILE_M = 4;
-constexpr int64_t INT8_ROWS_MIN_M = 4;  // x rows from which cpu_int8_rows.h takes over
 // bfloat16 x rows from which int8_linear and int4_linear multiply with AMX tiles where the CPU
 // has them (cpu_amx_linear.h). Measured per SmolLM2 layer shape on a 2-core Xeon (AMX), us,
 // few-row kernel vs AMX: int8 at 4 rows qkv 87 vs 41, gate_up 140 vs 111, LM head 2352 vs
@@ -714,11 +713,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   }
 #endif
 #if defined(CPU_INT8_ROWS)
-  // From 4 bfloat16 rows, whole 64-row blocks converted to bf16 pairs once, from 32 rows x as
-  // the per-lane operand (cpu_int8_rows.h); measured on SmolLM2's shapes, 2-core EPYC, cached
-  // weights: level with the kernel below at 3-4 rows, 1.3-1.9x faster at 8.
-  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= INT8_ROWS_MIN_M &&
-      qweight.size(0) % cpu_int8_rows::BLOCK_ROWS == 0 && x.size(1) % cpu_int8_rows::K_STEP == 0) {
+  // From 5 bfloat16 rows (DOT_MIN_M) the weight rows widened to bf16 once and vdpbf16ps dot
+  // products, from 32 x as the per-lane operand (cpu_int8_rows.h); at 4 rows the FMA kernel
+  // below is ahead (6.9 against 8.3 ms over SmolLM2's decoder layers, 2-core EPYC).
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= cpu_int8_rows::DOT_MIN_M &&
+      qweight.size(0) % cpu_int8_rows::W_ROWS == 0 && x.size(1) % cpu_int8_rows::K_STEP == 0) {
     cpu_int8_rows::linear(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.size(0),
                           x.size(1), qweight.data_ptr<int8_t>(), scales.data_ptr<c10::BFloat16>(),
                           qweight.size(0));

@@ -91,7 +91,7 @@ def dequant_int4(
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (qweight (int8 [N, K], K % 16 == 0) * scales [N, None]).T, in x's dtype
     (scales in x's dtype too): W8A16, float32 accumulation. Decode's few rows; with
-    has_int8_rows_linear(), bfloat16 x, N % 64 == 0 and K % 32 == 0, also many rows."""
+    has_int8_rows_linear(), bfloat16 x, N % 16 == 0 and K % 32 == 0, also many rows."""
     return load_extension().int8_linear(x, qweight, scales)
 
 
@@ -107,8 +107,8 @@ def int4_linear(
 
 
 def has_int8_rows_linear() -> bool:
-    """Whether int8_linear takes many bfloat16 rows here (cpu_int8_rows.h, AVX512-BF16): from 4
-    rows it converts each 64-row block to bfloat16 pairs once and multiplies with vdpbf16ps."""
+    """Whether int8_linear takes many bfloat16 rows here (cpu_int8_rows.h, AVX512-BF16): from 5
+    rows it widens the weight rows to bfloat16 once and multiplies with vdpbf16ps."""
     return load_extension().has_int8_rows_linear()
 
 

@@ -254,8 +254,7 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
         build_dequantized_pairs(packed + b * BLOCK_ROWS * K / 2, sz + b * BLOCK_ROWS, N, K,
                                 group_size, pairs);
         const uint8_t* next = b + 1 < end ? packed + (b + 1) * BLOCK_ROWS * K / 2 : nullptr;
-        cpu_pair_tiles::all_rows(pairs, x, M, K, nullptr, out, N, b * BLOCK_ROWS, next,
-                                 BLOCK_ROWS * K / 2);
+        cpu_pair_tiles::all_rows(pairs, x, M, K, out, N, b * BLOCK_ROWS, next, BLOCK_ROWS * K / 2);
       }
     });
     return;

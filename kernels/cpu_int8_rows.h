@@ -1,20 +1,25 @@
-// W8A16 products for many rows (a batch-64 decode step, a verify step), bfloat16 activations,
-// on CPUs with AVX512-BF16. Included by cpu_fused_ops.cpp; the few-row kernel there (int8_linear)
-// keeps decode's 1-3 rows, and float32/float16 models keep dequantize + GEMM.
+// W8A16 products for many rows (a batch-64 decode step, a verify step, a prefill chunk),
+// bfloat16 activations, on CPUs with AVX512-BF16. Included by cpu_fused_ops.cpp; the few-row
+// FMA kernel there (int8_linear) keeps decode's 1-4 rows, and float32/float16 models keep
+// dequantize + GEMM.
 //
 // Why: with many rows the product is bound by arithmetic, where vdpbf16ps does two multiply-adds
 // per float32 lane to an FMA's one, and the int8 path dequantized each layer into a 16-bit
-// scratch for oneDNN's GEMM on every call (which also reordered it for its own layout). Two
-// paths, both exact in the weight (|q| <= 127 has 7 significant bits, so int8 -> bfloat16 is
-// exact) with the per-row scale multiplying the float32 sum once, out(m, n) = s(n) sum_k x q:
+// scratch for oneDNN's GEMM on every call (which also reordered it for its own layout). Each
+// thread takes groups of 16 weight rows and widens them to bfloat16 in place (exact: |q| <= 127
+// has 7 significant bits; no transpose), the next group's widening interleaved with the current
+// group's multiply-adds; the per-row scale multiplies the float32 sum once,
+// out(m, n) = s(n) sum_k x(m, k) q(n, k). Then:
 //
-// - 4-31 rows, block pairs: each thread takes whole blocks of 64 output rows; a block's weights
-//   become bfloat16 pairs once, pairs[p][quarter] lane i = (q(16 quarter + i, 2p),
-//   q(.., 2p + 1)), in a block-sized buffer that stays in L2, and every 4 x rows are multiplied
-//   with them (cpu_pair_tiles.h). The pairs need a 16 x 16 transpose per 512 weights.
-// - From 32 rows, x lanes: x is the per-lane operand (16 x rows a vector) and the weight pair
-//   is broadcast from rows widened in place, so there is no transpose; the widening of the next
-//   16 rows is interleaved with the multiply-adds of the current ones (lanes_product).
+// - 5-31 rows, dot products (linear_dot): each (weight row, x row) pair is a dot product over
+//   32-input chunks read straight from both rows, reduced once per tile;
+// - from 32 rows, x lanes (linear_lanes): x is the per-lane operand (16 x rows a vector) and the
+//   weight pair is broadcast, with no reduction.
+//
+// An earlier path built 64-row blocks of transposed bf16 pairs (16 x 16 transposes of the
+// widened rows, a 16-row strided read): over SmolLM2's 30 decoder layers, 2-core EPYC, it took
+// 11.8 / 16.5 / 45.5 ms at 4 / 16 / 64 rows, now 6.9 (FMA kernel) / 14.0 / 34.7; bf16's own
+// kernel 7.6 / 10.7 / 34.1.
 #pragma once
 
 #if defined(__AVX512BF16__)
@@ -24,7 +29,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#include "cpu_pair_tiles.h"
+#include "cpu_decode_bf16.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -34,8 +39,6 @@
 
 namespace cpu_int8_rows {
 
-constexpr int BLOCK_ROWS = cpu_pair_tiles::BLOCK_ROWS;
-constexpr int QUARTERS = cpu_pair_tiles::QUARTERS;
 constexpr int K_STEP = 32;  // inputs converted per row at a time (16 pairs)
 
 // 32 int8 values -> 32 bfloat16 in order (int8 -> int32 -> float32 -> bfloat16, all exact).
@@ -47,36 +50,16 @@ inline __m512i widen32(const int8_t* src) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// A 64-row block of row-major int8 weights [64, K] -> pairs[(p * QUARTERS + quarter) * 16 +
-// lane], K % 32 == 0. Per 16 rows and 32 inputs: each row's 16 pairs become one vector
-// (int8 -> int32 -> float32 -> bfloat16, all exact), and a transpose turns the 16 row vectors
-// into the 16 pair vectors.
-inline void build_pairs(const int8_t* block, int64_t K, uint32_t* pairs) {
-  for (int quarter = 0; quarter < QUARTERS; ++quarter) {
-    const int8_t* rows = block + int64_t(quarter) * 16 * K;
-    for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) r[i] = widen32(rows + i * K + k0);
-      cpu_simd::transpose16(r);
-      for (int c = 0; c < 16; ++c) {
-        _mm512_store_si512(pairs + ((k0 / 2 + c) * QUARTERS + quarter) * 16, r[c]);
-      }
-    }
-  }
-}
-
-// With many x rows (from LANES_MIN_M) the roles turn around, as in the AMX kernel
-// (cpu_amx_linear.h): x becomes the per-lane operand, 16 x rows per vector, turned into pairs
-// once per call, xp[(t * K/2 + p) * 16 + i] = (x(16 t + i, 2p), x(16 t + i, 2p + 1)), zero past
-// row M; the weight is broadcast a pair at a time from its rows widened to bfloat16 (16 rows
-// at a time, no transpose). A pass over SmolLM2's layers at 64 rows, 2-core EPYC, one run: block
-// pairs 45.5 ms (~10 of it building the pairs, mostly the transposes), x lanes 38.4, x lanes
-// with the widening interleaved 34.7; bf16's own kernel 34.1. At 32 rows 20.4 against 18.0. The
-// price: x rows are padded to a multiple of 16, so fewer rows keep the block pairs.
+// x lanes, as in the AMX kernel (cpu_amx_linear.h): x becomes the per-lane operand, 16 x rows
+// per vector, turned into pairs once per call, xp[(t * K/2 + p) * 16 + i] = (x(16 t + i, 2p),
+// x(16 t + i, 2p + 1)), zero past row M; the weight is broadcast a pair at a time from its
+// widened rows. At 64 rows: 38.4 ms with the widening done apart, 34.7 interleaved. The price:
+// x rows are padded to a multiple of 16, so fewer rows take the dot products (at 32 rows 19.9
+// against their 23.4, at 24 rows 20.9 against 18.9).
 constexpr int X_ROWS = 16;   // x rows per pairs vector (one per lane)
 constexpr int X_TILES = 4;   // x vectors per pass over a weight row group: 64 rows
 constexpr int W_ROWS = 16;   // weight rows widened at a time
-constexpr int64_t LANES_MIN_M = 32;  // at 24 rows level with the block pairs, at 32 ahead
+constexpr int64_t LANES_MIN_M = 32;
 
 inline void build_x_pairs(const c10::BFloat16* x, int64_t M, int64_t K, uint32_t* xp) {
   const int64_t tiles = (M + X_ROWS - 1) / X_ROWS;
@@ -204,22 +187,106 @@ inline void linear_lanes(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, 
   });
 }
 
+// 5-31 rows, dot products: the weight rows widened as above (the next 16 interleaved), and
+// each (weight row, x row) a dot product over 32-input chunks read straight from both rows
+// (vdpbf16ps: the chunk's 16 pairs in one instruction); a tile is 4 weight rows x up to 4 x
+// rows, 16 accumulators, and their 16-lane partial sums are reduced together once per tile
+// (cpu_decode_bf16.h's transpose-and-add tree, ~3 instructions a sum). No padding of x and no
+// transpose of the weight.
+constexpr int DOT_N = 4;  // weight rows per tile
+constexpr int DOT_M = 4;  // x rows per tile
+constexpr int64_t DOT_MIN_M = 5;  // at 4 rows cpu_fused_ops.cpp's FMA kernel is ahead
+
+// Lane order [m][n] from [n][m]: lane m * 4 + n takes lane n * 4 + m.
+struct DotByRow {
+  alignas(64) int32_t lanes[16];
+  constexpr DotByRow() : lanes{} {
+    for (int m = 0; m < DOT_M; ++m) {
+      for (int n = 0; n < DOT_N; ++n) lanes[m * DOT_N + n] = n * DOT_M + m;
+    }
+  }
+};
+inline constexpr DotByRow DOT_BY_ROW{};
+
+// Spreads widen_step over the steps of a group's tiles: `per_step` 64-byte steps at each.
+struct Widening {
+  const int8_t* q = nullptr;  // the next 16 rows, or nullptr
+  c10::BFloat16* w = nullptr;
+  int64_t at = 0, end = 0, per_step = 0;
+  __attribute__((always_inline)) void step() {
+    for (int64_t i = 0; i < per_step && at < end; ++i, at += 2 * K_STEP) widen_step(q, at, w);
+  }
+  void finish() {
+    for (; at < end; at += 2 * K_STEP) widen_step(q, at, w);
+  }
+};
+
+template <int MR>
+inline void dot_tile(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, int64_t m0,
+                     const float* s, c10::BFloat16* out, int64_t N, Widening& widening) {
+  __m512 acc[DOT_N * DOT_M];  // [n][m]; the unused ones stay zero for the reduction
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
+    widening.step();
+    __m512bh wv[DOT_N];
+    for (int n = 0; n < DOT_N; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * K + k0);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * K + k0);
+      for (int n = 0; n < DOT_N; ++n) {
+        acc[n * DOT_M + m] = _mm512_dpbf16_ps(acc[n * DOT_M + m], wv[n], xv);
+      }
+    }
+  }
+  // Lane n * 4 + m holds (weight row n, x row m); turned to m * 4 + n, scaled, rounded to
+  // bfloat16, each x row's 4 outputs are 8 contiguous bytes.
+  const __m512i by_row = _mm512_load_si512(DOT_BY_ROW.lanes);
+  const __m512 sums = _mm512_permutexvar_ps(by_row, cpu_decode_bf16::transpose_sum(acc));
+  const __m512 scaled = _mm512_mul_ps(sums, _mm512_broadcast_f32x4(_mm_loadu_ps(s)));  // s[n]
+  alignas(32) uint64_t rows[DOT_M];  // 4 bfloat16 per x row
+  cpu_simd::store_bf16x16(reinterpret_cast<c10::BFloat16*>(rows), cpu_simd::f32x16(scaled));
+  for (int m = 0; m < MR; ++m) std::memcpy(out + (m0 + m) * N, &rows[m], sizeof(uint64_t));
+}
+
+inline void linear_dot(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                       const int8_t* q, const c10::BFloat16* scales, int64_t N) {
+  at::parallel_for(0, N / W_ROWS, 1, [&](int64_t begin, int64_t end) {
+    std::vector<c10::BFloat16> buffer(size_t(2 * W_ROWS * K));  // this group's rows, the next's
+    c10::BFloat16* w[2] = {buffer.data(), buffer.data() + W_ROWS * K};
+    widen_rows(q + begin * W_ROWS * K, K, w[0]);
+    const int64_t m_tiles = (M + DOT_M - 1) / DOT_M;
+    const int64_t steps = W_ROWS / DOT_N * m_tiles * (K / K_STEP), widen_steps = W_ROWS * K / 64;
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * W_ROWS, which = (g - begin) % 2;
+      Widening widening;
+      if (g + 1 < end) {
+        widening = {q + (n0 + W_ROWS) * K, w[1 - which], 0, W_ROWS * K,
+                    (widen_steps + steps - 1) / steps};
+      }
+      alignas(64) float s[W_ROWS];
+      for (int n = 0; n < W_ROWS; ++n) s[n] = float(scales[n0 + n]);
+      for (int nt = 0; nt < W_ROWS; nt += DOT_N) {
+        const c10::BFloat16* rows = w[which] + nt * K;
+        c10::BFloat16* o = out + n0 + nt;
+        for (int64_t m0 = 0; m0 < M; m0 += DOT_M) {
+          switch (std::min<int64_t>(DOT_M, M - m0)) {
+            case 4: dot_tile<4>(rows, K, x, m0, s + nt, o, N, widening); break;
+            case 3: dot_tile<3>(rows, K, x, m0, s + nt, o, N, widening); break;
+            case 2: dot_tile<2>(rows, K, x, m0, s + nt, o, N, widening); break;
+            default: dot_tile<1>(rows, K, x, m0, s + nt, o, N, widening); break;
+          }
+        }
+      }
+      widening.finish();
+    }
+  });
+}
+
+// out [M, N] = x [M, K] @ (q [N, K] * s [N, None]).T; N % 16 == 0, K % 32 == 0, bfloat16 x,
+// scales and out; from DOT_MIN_M rows.
 inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
                    const int8_t* q, const c10::BFloat16* scales, int64_t N) {
   if (M >= LANES_MIN_M) return linear_lanes(out, x, M, K, q, scales, N);
-  at::parallel_for(0, N / BLOCK_ROWS, 1, [&](int64_t begin, int64_t end) {
-    // One block's pairs: K/2 x 64 lanes x 4 bytes (196 KB at K = 1536), reused for all rows.
-    std::vector<__m512i> buffer(size_t(K / 2 * QUARTERS));
-    uint32_t* pairs = reinterpret_cast<uint32_t*>(buffer.data());
-    alignas(64) float block_scales[BLOCK_ROWS];
-    for (int64_t b = begin; b < end; ++b) {
-      build_pairs(q + b * BLOCK_ROWS * K, K, pairs);
-      for (int r = 0; r < BLOCK_ROWS; ++r) block_scales[r] = float(scales[b * BLOCK_ROWS + r]);
-      const int8_t* next = b + 1 < end ? q + (b + 1) * BLOCK_ROWS * K : nullptr;
-      cpu_pair_tiles::all_rows(pairs, x, M, K, block_scales, out, N, b * BLOCK_ROWS, next,
-                               BLOCK_ROWS * K);
-    }
-  });
+  return linear_dot(out, x, M, K, q, scales, N);
 }
 
 }  // namespace cpu_int8_rows

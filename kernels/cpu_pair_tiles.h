@@ -1,6 +1,6 @@
-// The inner product of the many-row weight-only kernels on CPUs with AVX512-BF16 (int8 in
-// cpu_int8_rows.h, int4 in cpu_int4_linear.h): a 64-row block of the weight, already turned
-// into bfloat16 pairs in a block-sized buffer that stays in L2,
+// The inner product of the many-row int4 kernel on CPUs with AVX512-BF16 (cpu_int4_linear.h):
+// a 64-row block of the weight, already dequantized into bfloat16 pairs in a block-sized
+// buffer that stays in L2,
 //
 //   pairs[(p * 4 + quarter) * 16 + lane] = (w(16 quarter + lane, 2p), w(.., 2p + 1)), bfloat16
 //
@@ -24,12 +24,10 @@ constexpr int BLOCK_ROWS = 64;
 constexpr int QUARTERS = 4;  // 16-row vectors per block
 constexpr int TILE_M = 4;    // x rows per pass: their 16 accumulators, 4 pairs and a broadcast
 
-// out[m][0..63] for MR x rows over one block's pairs (K inputs), each output times its row's
-// scale when `scales` is given (int8's per-row scale), else as summed.
+// out[m][0..63] for MR x rows over one block's pairs (K inputs).
 template <int MR>
 inline void block_tile(const uint32_t* pairs, int64_t K, const uint32_t* const* x_pairs,
-                       const float* scales, c10::BFloat16* const* out, const char* ahead,
-                       int64_t ahead_lines) {
+                       c10::BFloat16* const* out, const char* ahead, int64_t ahead_lines) {
   __m512 acc[MR][QUARTERS];
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < QUARTERS; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -47,9 +45,7 @@ inline void block_tile(const uint32_t* pairs, int64_t K, const uint32_t* const* 
   }
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < QUARTERS; ++j) {
-      const __m512 y = scales ? _mm512_mul_ps(acc[m][j], _mm512_loadu_ps(scales + j * 16))
-                              : acc[m][j];
-      cpu_simd::store_bf16x16(out[m] + j * 16, cpu_simd::f32x16(y));
+      cpu_simd::store_bf16x16(out[m] + j * 16, cpu_simd::f32x16(acc[m][j]));
     }
   }
 }
@@ -57,8 +53,8 @@ inline void block_tile(const uint32_t* pairs, int64_t K, const uint32_t* const* 
 // All M x rows (bfloat16 [M, K]) over block n0 / 64's pairs: out[m][n0 .. n0 + 63] of [M, N].
 // Meanwhile the thread's next block (next_bytes at `next`, or nullptr) is requested into L2.
 inline void all_rows(const uint32_t* pairs, const c10::BFloat16* x, int64_t M, int64_t K,
-                     const float* scales, c10::BFloat16* out, int64_t N, int64_t n0,
-                     const void* next, int64_t next_bytes) {
+                     c10::BFloat16* out, int64_t N, int64_t n0, const void* next,
+                     int64_t next_bytes) {
   // The next block's lines, a share per tile, one line per step of the tile's loop (a burst
   // of prefetches at the tile's start gained nothing).
   const int64_t tiles = (M + TILE_M - 1) / TILE_M, lines = next ? (next_bytes + 63) / 64 : 0;
@@ -69,10 +65,10 @@ inline void all_rows(const uint32_t* pairs, const c10::BFloat16* x, int64_t M, i
     const char* ahead = next_bytes_at + first * 64;
     const cpu_simd::PairTile<TILE_M> t(x, K, M, m0, out, N, n0);
     switch (t.rows) {
-      case 4: block_tile<4>(pairs, K, t.x_pairs, scales, t.out, ahead, count); break;
-      case 3: block_tile<3>(pairs, K, t.x_pairs, scales, t.out, ahead, count); break;
-      case 2: block_tile<2>(pairs, K, t.x_pairs, scales, t.out, ahead, count); break;
-      default: block_tile<1>(pairs, K, t.x_pairs, scales, t.out, ahead, count); break;
+      case 4: block_tile<4>(pairs, K, t.x_pairs, t.out, ahead, count); break;
+      case 3: block_tile<3>(pairs, K, t.x_pairs, t.out, ahead, count); break;
+      case 2: block_tile<2>(pairs, K, t.x_pairs, t.out, ahead, count); break;
+      default: block_tile<1>(pairs, K, t.x_pairs, t.out, ahead, count); break;
     }
   }
 }

@@ -247,14 +247,15 @@ def test_int8_linear_matches_the_dequantized_matmul(fused, dtype, rows, n):
     assert_close(cpu_fused_ops.int8_linear(x, q, s), ref, dtype)
 
 
-# rows: across the switch to cpu_int8_rows.h's block pairs at 4 and to its x-lanes path at 32
-# (33: a zero-padded last x vector; 100: a second pass over each weight row group).
-@pytest.mark.parametrize("rows", [3, 4, 5, 17, 31, 32, 33, 64, 100])
-@pytest.mark.parametrize(("n", "k"), [(128, 96), (192, 576)])
+# rows: across the switch to cpu_int8_rows.h's dot products at 5 (6: a partial tile of x rows)
+# and to its x-lanes path at 32 (33: a zero-padded last x vector; 100: a second pass over each
+# weight row group); n: 16-row groups, one or several per thread.
+@pytest.mark.parametrize("rows", [3, 4, 5, 6, 17, 31, 32, 33, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(80, 96), (128, 96), (192, 576)])
 def test_int8_linear_takes_many_bf16_rows(fused, rows, n, k):
-    """bfloat16 x with whole 64-row blocks: the few-row kernel below 4 rows, the block-pairs
-    kernel (cpu_int8_rows.h) from 4, x as the per-lane operand from 32; all against
-    x @ (q * s).T in float32."""
+    """bfloat16 x with whole 16-row groups: the few-row kernel up to 4 rows, dot products over
+    the widened weight rows (cpu_int8_rows.h) from 5, x as the per-lane operand from 32; all
+    against x @ (q * s).T in float32."""
     if not cpu_fused_ops.has_int8_rows_linear():
         pytest.skip("cpu_int8_rows.h needs AVX512-BF16 (the few-row kernel takes every row)")
     gen = torch.Generator().manual_seed(rows * 1000 + n)
@@ -268,7 +269,7 @@ def test_int8_linear_takes_many_bf16_rows(fused, rows, n, k):
 
 
 def test_int8_bf16_layers_take_a_batch_64_step_with_the_kernel(fused, monkeypatch):
-    """With the block-pairs kernel, bfloat16 int8 layers multiply up to 64 rows with
+    """With the many-row kernels (cpu_int8_rows.h), bfloat16 int8 layers multiply up to 64 rows with
     int8_linear instead of dequantizing into a scratch for oneDNN (AMX CPUs keep 32)."""
     if not cpu_fused_ops.has_int8_rows_linear():
         pytest.skip("cpu_int8_rows.h needs AVX512-BF16")

@@ -177,11 +177,11 @@ class Int8Linear(QuantLinear):
     @property
     def rows_kernel(self) -> bool:
         """Whether the few-rows kernel also takes many rows (kernels/cpu_int8_rows.h: bfloat16
-        on AVX512-BF16 CPUs, whole 64-row blocks and 32-input steps)."""
+        on AVX512-BF16 CPUs, whole 16-row groups and 32-input steps)."""
         return (
             self.few_rows is not None
             and self.scales.dtype == torch.bfloat16
-            and self.out_features % 64 == 0
+            and self.out_features % 16 == 0
             and self.in_features % 32 == 0
             and self.cpu_kernels.has_int8_rows_linear()
         )
