@@ -20,11 +20,13 @@
 // ~4 bits of the float32 sum's 24 (sum_k x a is ~16x the part that matters): still ~1e-5
 // relative, far below the bfloat16 output's rounding.
 //
-// With more than 4 rows (TILE_M) the product is bound by arithmetic, not bytes, and that per-group
-// correction would be paid again by every tile of 4 rows (a pass of 30 SmolLM2 layers at 64
-// rows ran 43.0 ms against bf16's 37.4 on a 2-core EPYC): there each block is dequantized once
-// into bfloat16 pairs, w = (q - 8) s + zf rounded to bfloat16 as dequantize + GEMM has it, and
-// the rows run cpu_pair_tiles.h's loop over them, the bf16 kernel's.
+// Rows go in tiles of 4 (TILE_M), each tile over the nibbles as above. From 9 rows the product
+// is bound by arithmetic, not bytes, and that per-group correction would be paid again by every
+// tile (a pass of 30 SmolLM2 layers at 64 rows ran 43.0 ms against bf16's 37.4 on a 2-core
+// EPYC): there each block is dequantized once into bfloat16 pairs, w = (q - 8) s + zf rounded
+// to bfloat16 as dequantize + GEMM has it, and the rows run cpu_pair_tiles.h's loop over them,
+// the bf16 kernel's (36.1 ms). At 5-8 rows the nibbles stay ahead: 4.8 / 6.6 ms at 5 / 8 rows
+// against 7.2 / 8.1 dequantized; level at 9-12.
 //
 // Layout (kernels/int4_pack.py, aten's on AVX-512): a block of 64 output rows holds, for each
 // input k, 32 bytes whose low nibbles are rows 0-31 and high nibbles rows 32-63; inputs k and
@@ -54,7 +56,8 @@ namespace cpu_int4_linear {
 
 constexpr int BLOCK_ROWS = cpu_pair_tiles::BLOCK_ROWS;  // output rows per packed block
 constexpr int QUARTERS = cpu_pair_tiles::QUARTERS;      // 16-row vectors per block
-constexpr int TILE_M = cpu_pair_tiles::TILE_M;  // up to this many x rows: the nibbles directly
+constexpr int TILE_M = cpu_pair_tiles::TILE_M;  // x rows per tile over the nibbles
+constexpr int64_t DEQUANTIZED_PAIRS_MIN_M = 9;
 
 // vpermt2b indices building quarter `quarter % 2` of a nibble vector's rows (quarters 0-1
 // from the low nibbles, 2-3 from the high ones): lane r's four bytes are (row's k byte, 0x43,
@@ -246,7 +249,7 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
                    int64_t group_size) {
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
   const int64_t blocks = N / BLOCK_ROWS, groups = K / group_size;
-  if (M > TILE_M) {  // many rows: dequantize each block once, then the bf16 pairs loop
+  if (M >= DEQUANTIZED_PAIRS_MIN_M) {  // dequantize each block once, then the bf16 pairs loop
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<__m512i> buffer(size_t(K / 2 * QUARTERS));  // K/2 x 256 bytes, in L2
       uint32_t* pairs = reinterpret_cast<uint32_t*>(buffer.data());
@@ -271,15 +274,17 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
   }
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const cpu_simd::PairTile<TILE_M> t(x, K, M, 0, out, N, b * BLOCK_ROWS);
       const uint8_t* block = packed + b * BLOCK_ROWS * K / 2;
       const uint32_t* block_sz = sz + b * BLOCK_ROWS;
-      const float* s = sums.data();
-      switch (t.rows) {
-        case 4: block_rows<4>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out); break;
-        case 3: block_rows<3>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out); break;
-        case 2: block_rows<2>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out); break;
-        default: block_rows<1>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out);
+      for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {  // a second tile reads the block from L2
+        const cpu_simd::PairTile<TILE_M> t(x, K, M, m0, out, N, b * BLOCK_ROWS);
+        const float* s = sums.data() + m0 * groups;
+        switch (t.rows) {
+          case 4: block_rows<4>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out); break;
+          case 3: block_rows<3>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out); break;
+          case 2: block_rows<2>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out); break;
+          default: block_rows<1>(block, block_sz, N, group_size, t.x_pairs, s, groups, t.out);
+        }
       }
     }
   });

@@ -330,19 +330,21 @@ def test_amx_int8_linear_matches_the_dequantized_matmul(fused, rows, n, k):
     assert_close(cpu_fused_ops.int8_linear(x, q, s), ref, torch.bfloat16)
 
 
-# From 5 rows (more than one tile of 4) cpu_int4_linear.h dequantizes each 64-row block once
-# into bfloat16 pairs and runs the bf16 kernel's loop over them; AMX does the same from 6 rows.
-INT4_DEQUANTIZED_PAIRS_MIN_ROWS = 5  # kernels/cpu_int4_linear.h: TILE_M + 1
+# From 9 rows cpu_int4_linear.h dequantizes each 64-row block once into bfloat16 pairs and runs
+# the bf16 kernel's loop over them; AMX does the same from 6 rows.
+INT4_DEQUANTIZED_PAIRS_MIN_ROWS = 9  # kernels/cpu_int4_linear.h: DEQUANTIZED_PAIRS_MIN_M
 
 
-@pytest.mark.parametrize("rows", [5, 8, 17, 64, 100])
+@pytest.mark.parametrize("rows", [6, 9, 17, 64, 100])
 @pytest.mark.parametrize(("n", "k", "group"), [(64, 64, 32), (192, 576, 64), (128, 1536, 128)])
 def test_int4_linear_many_rows_multiply_the_one_pass_dequantized_weight(fused, rows, n, k, group):
-    """With many rows W4A16 (vdpbf16ps or AMX) multiplies the bfloat16 weights dequant_int4
+    """With many rows W4A16 (vdpbf16ps from 9, AMX from 6) multiplies the bfloat16 weights dequant_int4
     writes ((q - 8) * s + zf rounded once; its multiply-add may round a weight to the
     neighbouring bfloat16), so it equals x @ that weight up to float32 summation order: within
     one bfloat16 rounding of the output, and most elements bit-equal."""
     _int4_kernel(fused)
+    if rows < INT4_DEQUANTIZED_PAIRS_MIN_ROWS and not cpu_fused_ops.has_amx_linear():
+        pytest.skip("below the switch: the nibbles' own products (the test below)")
     gen = torch.Generator().manual_seed(rows * 7 + n + k + group)
     packed, scale_and_zero, _ = _int4_weight(n, k, group, gen)
     wt = torch.empty(k, n, dtype=torch.bfloat16)
@@ -388,8 +390,8 @@ def _int4_weight(n: int, k: int, group: int, gen: torch.Generator):
 
 @pytest.mark.parametrize(
     ("rows", "n", "k", "group"),
-    # rows: 1 (decode), 2 and 3 (odd tiles), 4 (one full tile), 5, 9, 17 and 64 (several tiles
-    # of 4 over a block's dequantized pairs); groups 32-128; SmolLM2's shapes
+    # rows: 1 (decode), 2 and 3 (odd tiles), 4 (one full tile), 5 (two tiles over the nibbles),
+    # 9, 17 and 64 (tiles of 4 over a block's dequantized pairs); groups 32-128; SmolLM2's shapes
     # (576 = 9 x 64, 1536) and several 64-row blocks per thread.
     [(1, 64, 64, 32), (1, 576, 576, 64), (2, 960, 576, 64), (3, 128, 1536, 128),
      (5, 1536, 576, 32), (9, 192, 576, 64), (4, 3072, 576, 64), (17, 320, 1536, 128),
