@@ -59,9 +59,6 @@ inline __m512i widen32(const int8_t* src) {
 constexpr int X_ROWS = 16;   // x rows per pairs vector (one per lane)
 constexpr int X_TILES = 4;   // x vectors per pass over a weight row group: 64 rows
 constexpr int W_ROWS = 16;   // weight rows widened at a time
-// Weight rows per register tile of the x-lanes product: 4 x 4 or 3 x 4 accumulators, or 2 x 8
-// (4 chains of dependent vdpbf16ps would not cover its latency).
-constexpr int lanes_w_tile(int x_vectors) { return x_vectors <= 2 ? 8 : 4; }
 constexpr int64_t LANES_MIN_M = 32;
 
 inline void build_x_pairs(const c10::BFloat16* x, int64_t M, int64_t K, uint32_t* xp) {
@@ -95,39 +92,20 @@ inline void widen_rows(const int8_t* q, int64_t K, c10::BFloat16* w) {
   for (int64_t i = 0; i < W_ROWS * K; i += 2 * K_STEP) widen_step(q, i, w);
 }
 
-// The next 16 rows' widening, spread over the `steps` steps of the current rows' products (a
-// widen_step every `every` steps, or `per_step` of them at each): the multiply-adds leave issue
-// slots and the other vector pipes free, and done apart the widening cost ~4 ms of a 38 ms pass
-// at 64 rows (2-core EPYC, x lanes).
-struct Widening {
-  const int8_t* q = nullptr;  // the next 16 rows, or nullptr: nothing to do
-  c10::BFloat16* w = nullptr;
-  int64_t at = 0, end = 0, every = 1, per_step = 0, countdown = 0;
-  Widening() = default;
-  Widening(const int8_t* next_q, c10::BFloat16* next_w, int64_t K, int64_t steps)
-      : q(next_q), w(next_w), end(W_ROWS * K) {
-    const int64_t widen_steps = end / (2 * K_STEP);
-    every = steps > widen_steps ? steps / widen_steps : 1;
-    per_step = steps > widen_steps ? 1 : (widen_steps + steps - 1) / steps;
-  }
-  __attribute__((always_inline)) void step() {
-    if (at >= end || --countdown > 0) return;
-    countdown = every;
-    for (int64_t i = 0; i < per_step && at < end; ++i, at += 2 * K_STEP) widen_step(q, at, w);
-  }
-  void finish() {
-    for (; at < end; at += 2 * K_STEP) widen_step(q, at, w);
-  }
-};
-
 // acc[t] + 16 n, lane i: the float32 sum for x row 16 t + i and weight row n of 16, for the
-// TILES (1-4) x vectors of xp_tiles, by vdpbf16ps with the weight pair broadcast; the next
-// rows' widening along the way.
+// TILES (1-4) x vectors of xp_tiles, by vdpbf16ps with the weight pair broadcast. Meanwhile the
+// next 16 weight rows (next_q, or nullptr) are widened into next_w, a step every 2 steps of the
+// loop: the multiply-adds leave issue slots and the other vector pipes free, and the widening
+// done apart cost ~4 ms of a 38 ms pass at 64 rows (2-core EPYC).
 template <int TILES>
 inline void lanes_product(const c10::BFloat16* w, int64_t K, const uint32_t* xp_tiles,
-                          float (*acc)[256], Widening& widening) {
+                          float (*acc)[256], const int8_t* next_q, c10::BFloat16* next_w) {
   const int64_t tile_stride = K / 2 * 16;  // uint32 units between x vectors' pairs
-  constexpr int W_TILE = lanes_w_tile(TILES);
+  const int64_t widen_end = next_q ? W_ROWS * K : 0;
+  int64_t widen_at = 0;
+  // Weight rows per register tile: 4 x 4 or 3 x 4 accumulators, or 2 x 8 (4 chains of
+  // dependent vdpbf16ps would not cover its latency).
+  constexpr int W_TILE = TILES <= 2 ? 8 : 4;
   for (int n0 = 0; n0 < W_ROWS; n0 += W_TILE) {
     const uint32_t* rows = reinterpret_cast<const uint32_t*>(w + n0 * K);  // as pairs
     __m512 a[W_TILE][TILES];
@@ -135,7 +113,10 @@ inline void lanes_product(const c10::BFloat16* w, int64_t K, const uint32_t* xp_
       for (int t = 0; t < TILES; ++t) a[n][t] = _mm512_setzero_ps();
     }
     for (int64_t p = 0; p < K / 2; ++p) {
-      widening.step();
+      if ((p & 1) == 0 && widen_at < widen_end) {
+        widen_step(next_q, widen_at, next_w);
+        widen_at += 2 * K_STEP;
+      }
       __m512bh xv[TILES];
       for (int t = 0; t < TILES; ++t) {
         xv[t] = (__m512bh)_mm512_loadu_si512(xp_tiles + t * tile_stride + p * 16);
@@ -149,6 +130,7 @@ inline void lanes_product(const c10::BFloat16* w, int64_t K, const uint32_t* xp_
       for (int t = 0; t < TILES; ++t) _mm512_store_ps(acc[t] + (n0 + n) * 16, a[n][t]);
     }
   }
+  for (; widen_at < widen_end; widen_at += 2 * K_STEP) widen_step(next_q, widen_at, next_w);
 }
 
 // out[m][n0 .. n0 + 15] = s * the sums of acc's `tiles` x tiles (from x row m0; rows < M).
@@ -181,25 +163,21 @@ inline void linear_lanes(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, 
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * W_ROWS, which = (g - begin) % 2;
       const __m512 s = (__m512)cpu_simd::load_bf16x16(scales + n0);
-      // The next group is widened during the last pass over this one (its loop steps).
-      const int64_t last_tiles = x_tiles - (x_tiles - 1) / X_TILES * X_TILES;
-      const int64_t last_steps = W_ROWS / lanes_w_tile(int(last_tiles)) * (K / 2);
-      Widening widening;
       for (int64_t t0 = 0; t0 < x_tiles; t0 += X_TILES) {
         const int64_t tiles = std::min<int64_t>(X_TILES, x_tiles - t0);
         const uint32_t* xp_tiles = xp + t0 * K / 2 * 16;
-        if (t0 + X_TILES >= x_tiles && g + 1 < end) {
-          widening = Widening(q + (n0 + W_ROWS) * K, w[1 - which], K, last_steps);
-        }
+        // The next group is widened during the last pass over this one.
+        const bool last = t0 + X_TILES >= x_tiles && g + 1 < end;
+        const int8_t* next_q = last ? q + (n0 + W_ROWS) * K : nullptr;
+        c10::BFloat16* next_w = w[1 - which];
         switch (tiles) {
-          case 4: lanes_product<4>(w[which], K, xp_tiles, acc, widening); break;
-          case 3: lanes_product<3>(w[which], K, xp_tiles, acc, widening); break;
-          case 2: lanes_product<2>(w[which], K, xp_tiles, acc, widening); break;
-          default: lanes_product<1>(w[which], K, xp_tiles, acc, widening); break;
+          case 4: lanes_product<4>(w[which], K, xp_tiles, acc, next_q, next_w); break;
+          case 3: lanes_product<3>(w[which], K, xp_tiles, acc, next_q, next_w); break;
+          case 2: lanes_product<2>(w[which], K, xp_tiles, acc, next_q, next_w); break;
+          default: lanes_product<1>(w[which], K, xp_tiles, acc, next_q, next_w); break;
         }
         write_rows(acc, tiles, t0 * X_ROWS, M, N, n0, s, out);
       }
-      widening.finish();
     }
   });
 }
@@ -224,6 +202,19 @@ struct DotByRow {
   }
 };
 inline constexpr DotByRow DOT_BY_ROW{};
+
+// Spreads widen_step over the steps of a group's tiles: `per_step` 64-byte steps at each.
+struct Widening {
+  const int8_t* q = nullptr;  // the next 16 rows, or nullptr
+  c10::BFloat16* w = nullptr;
+  int64_t at = 0, end = 0, per_step = 0;
+  __attribute__((always_inline)) void step() {
+    for (int64_t i = 0; i < per_step && at < end; ++i, at += 2 * K_STEP) widen_step(q, at, w);
+  }
+  void finish() {
+    for (; at < end; at += 2 * K_STEP) widen_step(q, at, w);
+  }
+};
 
 template <int MR>
 inline void dot_tile(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, int64_t m0,
@@ -258,11 +249,14 @@ inline void linear_dot(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, in
     c10::BFloat16* w[2] = {buffer.data(), buffer.data() + W_ROWS * K};
     widen_rows(q + begin * W_ROWS * K, K, w[0]);
     const int64_t m_tiles = (M + DOT_M - 1) / DOT_M;
-    const int64_t steps = W_ROWS / DOT_N * m_tiles * (K / K_STEP);  // a group's, all tiles
+    const int64_t steps = W_ROWS / DOT_N * m_tiles * (K / K_STEP), widen_steps = W_ROWS * K / 64;
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * W_ROWS, which = (g - begin) % 2;
       Widening widening;
-      if (g + 1 < end) widening = Widening(q + (n0 + W_ROWS) * K, w[1 - which], K, steps);
+      if (g + 1 < end) {
+        widening = {q + (n0 + W_ROWS) * K, w[1 - which], 0, W_ROWS * K,
+                    (widen_steps + steps - 1) / steps};
+      }
       alignas(64) float s[W_ROWS];
       for (int n = 0; n < W_ROWS; ++n) s[n] = float(scales[n0 + n]);
       for (int nt = 0; nt < W_ROWS; nt += DOT_N) {
