@@ -25,8 +25,8 @@
 // tile (a pass of 30 SmolLM2 layers at 64 rows ran 43.0 ms against bf16's 37.4 on a 2-core
 // EPYC): there each block is dequantized once into bfloat16 pairs, w = (q - 8) s + zf rounded
 // to bfloat16 as dequantize + GEMM has it, and the rows run cpu_pair_tiles.h's loop over them,
-// the bf16 kernel's (36.1 ms). At 5-8 rows the nibbles stay ahead: 4.8 / 6.6 ms at 5 / 8 rows
-// against 7.2 / 8.1 dequantized; level at 9-12.
+// the bf16 kernel's (36.1 ms). At 5-8 rows the nibbles stay ahead: 4.5 / 6.3 ms at 5 / 8 rows
+// against 6.9 / 7.7 dequantized (benchmarks.packed_linear --quantized); level at 9-12.
 //
 // Layout (kernels/int4_pack.py, aten's on AVX-512): a block of 64 output rows holds, for each
 // input k, 32 bytes whose low nibbles are rows 0-31 and high nibbles rows 32-63; inputs k and
