@@ -18,8 +18,8 @@
 //
 // An earlier path built 64-row blocks of transposed bf16 pairs (16 x 16 transposes of the
 // widened rows, a 16-row strided read): over SmolLM2's 30 decoder layers, 2-core EPYC, it took
-// 11.8 / 16.5 / 45.5 ms at 4 / 16 / 64 rows, now 6.9 (FMA kernel) / 14.0 / 34.7; bf16's own
-// kernel 7.6 / 10.7 / 34.1.
+// 11.8 / 16.5 / 45.5 ms at 4 / 16 / 64 rows (bf16's own kernel 7.6 / 12.9 / 36.4); now 7.1
+// (FMA kernel) / 14.5 / 34.0 against 8.8 / 11.1 / 34.9 (benchmarks.packed_linear --quantized).
 #pragma once
 
 #if defined(__AVX512BF16__)
