@@ -12,8 +12,8 @@ vdpbf16ps kernel for few rows, AMX tiles from 5 rows where the CPU has them, rea
 packed bytes in place) and torch.ops.mkldnn._linear_pointwise (oneDNN's GEMM on the same
 packed weight: what the engine calls above packed_gemv_max_rows). With --quantized, also the
 weight-only kernels the engine's int8 and int4 (group 64) layers call on the same weights,
-quantized once (int8_linear and int4_linear: at many rows the block-pairs, x-lanes and AMX
-paths of kernels/README.md). Prints JSON: min and median ms per pass and the ratios of the
+quantized once (int8_linear and int4_linear: at many rows int4's dequantized block pairs,
+int8's dot products and x lanes, or AMX tiles; kernels/README.md). Prints JSON: min and median ms per pass and the ratios of the
 mins. Shapes whose packed layout the kernel cannot read are left out (and listed).
 """
 

@@ -452,7 +452,7 @@ void packed_bf16_block(const uint32_t* block, int64_t pairs, const float* x_even
 
 template <int MR>
 void packed_bf16_block_dp(const uint32_t* block, int64_t pairs, const uint32_t* x_pairs,
-                          c10::BFloat16* out, int64_t N, const char* ahead, int64_t ahead_lines) {
+                          c10::BFloat16* out, int64_t N, const NextBlockShare& next) {
   constexpr int J = PACK_ROWS / LANES;
   constexpr int SETS = MR <= 2 ? 2 : 1;
   __m512 acc[SETS][MR][J];
@@ -463,7 +463,7 @@ void packed_bf16_block_dp(const uint32_t* block, int64_t pairs, const uint32_t* 
   }
   auto pair = [&](int64_t p, int s) __attribute__((always_inline)) {
     const uint32_t* row_pairs = block + p * PACK_ROWS;
-    if (p < ahead_lines) __builtin_prefetch(ahead + p * 64, 0, 2);  // the next block, into L2
+    next.at_step(p);
     // This pair's 4 cache lines, STREAM_PREFETCH_BYTES ahead (cpu_simd.h; none: -8%).
     for (int line = 0; line < J; ++line) {
       _mm_prefetch(reinterpret_cast<const char*>(row_pairs + line * LANES) + STREAM_PREFETCH_BYTES,
@@ -498,15 +498,15 @@ void packed_bf16_linear_dp(torch::Tensor out, torch::Tensor x, const c10::BFloat
   const uint32_t* w = reinterpret_cast<const uint32_t*>(weight);
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   // With more than one tile, each tile requests its share of the thread's next block into L2
-  // (cpu_simd.h says why, above PairTile).
-  const int64_t tiles = (M + PACK_TILE_M - 1) / PACK_TILE_M, lines = pairs * PACK_ROWS * 4 / 64;
+  // (cpu_simd.h, next_block_share); one tile streams its block with its own prefetch.
+  const int64_t tiles = (M + PACK_TILE_M - 1) / PACK_TILE_M, block_bytes = pairs * PACK_ROWS * 4;
   for_block_tiles(N, M, [&](int64_t b, int64_t m0, bool next, auto rows) {
-    const int64_t tile = m0 / PACK_TILE_M, first = lines * tile / tiles;
-    const int64_t count = tiles > 1 && next ? lines * (tile + 1) / tiles - first : 0;
-    const char* ahead = reinterpret_cast<const char*>(w + (b + 1) * pairs * PACK_ROWS) + first * 64;
+    const char* next_block = reinterpret_cast<const char*>(w + (b + 1) * pairs * PACK_ROWS);
+    const NextBlockShare share = next_block_share(tiles > 1 && next ? next_block : nullptr,
+                                                  block_bytes, m0 / PACK_TILE_M, tiles);
     packed_bf16_block_dp<decltype(rows)::value>(w + b * pairs * PACK_ROWS, pairs,
                                                 x_pairs + m0 * pairs, op + m0 * N + b * PACK_ROWS,
-                                                N, ahead, count);
+                                                N, share);
   });
 }
 #endif

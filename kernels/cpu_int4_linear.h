@@ -198,7 +198,7 @@ inline constexpr DoubledIndex DOUBLED_INDEX{};
 // apart, then interleaving took ~52); the weight bytes are prefetched STREAM_PREFETCH_BYTES
 // ahead (they were read on demand, not overlapped with the conversion).
 inline void build_dequantized_pairs(const uint8_t* block, const uint32_t* scale_zero, int64_t N,
-                             int64_t K, int64_t group_size, uint32_t* pairs) {
+                                    int64_t K, int64_t group_size, uint32_t* pairs) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i float_bytes = _mm512_set1_epi32(0x43000000);  // 128.0f
   const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));

@@ -249,7 +249,8 @@ inline void linear_dot(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, in
     c10::BFloat16* w[2] = {buffer.data(), buffer.data() + W_ROWS * K};
     widen_rows(q + begin * W_ROWS * K, K, w[0]);
     const int64_t m_tiles = (M + DOT_M - 1) / DOT_M;
-    const int64_t steps = W_ROWS / DOT_N * m_tiles * (K / K_STEP), widen_steps = W_ROWS * K / 64;
+    const int64_t steps = W_ROWS / DOT_N * m_tiles * (K / K_STEP);
+    const int64_t widen_steps = W_ROWS * K / (2 * K_STEP);  // widen_step's 64 weights each
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * W_ROWS, which = (g - begin) % 2;
       Widening widening;

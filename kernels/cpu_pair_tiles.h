@@ -27,13 +27,13 @@ constexpr int TILE_M = 4;    // x rows per pass: their 16 accumulators, 4 pairs 
 // out[m][0..63] for MR x rows over one block's pairs (K inputs).
 template <int MR>
 inline void block_tile(const uint32_t* pairs, int64_t K, const uint32_t* const* x_pairs,
-                       c10::BFloat16* const* out, const char* ahead, int64_t ahead_lines) {
+                       c10::BFloat16* const* out, const cpu_simd::NextBlockShare& next) {
   __m512 acc[MR][QUARTERS];
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < QUARTERS; ++j) acc[m][j] = _mm512_setzero_ps();
   }
   for (int64_t p = 0; p < K / 2; ++p) {
-    if (p < ahead_lines) __builtin_prefetch(ahead + p * 64, 0, 2);  // the next block, into L2
+    next.at_step(p);
     __m512bh w[QUARTERS];
     for (int j = 0; j < QUARTERS; ++j) {
       w[j] = (__m512bh)_mm512_load_si512(pairs + (p * QUARTERS + j) * 16);
@@ -55,20 +55,16 @@ inline void block_tile(const uint32_t* pairs, int64_t K, const uint32_t* const* 
 inline void all_rows(const uint32_t* pairs, const c10::BFloat16* x, int64_t M, int64_t K,
                      c10::BFloat16* out, int64_t N, int64_t n0, const void* next,
                      int64_t next_bytes) {
-  // The next block's lines, a share per tile, one line per step of the tile's loop (a burst
-  // of prefetches at the tile's start gained nothing).
-  const int64_t tiles = (M + TILE_M - 1) / TILE_M, lines = next ? (next_bytes + 63) / 64 : 0;
-  const char* next_bytes_at = static_cast<const char*>(next);
+  const int64_t tiles = (M + TILE_M - 1) / TILE_M;
   for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-    const int64_t tile = m0 / TILE_M;
-    const int64_t first = lines * tile / tiles, count = lines * (tile + 1) / tiles - first;
-    const char* ahead = next_bytes_at + first * 64;
+    const cpu_simd::NextBlockShare share =
+        cpu_simd::next_block_share(static_cast<const char*>(next), next_bytes, m0 / TILE_M, tiles);
     const cpu_simd::PairTile<TILE_M> t(x, K, M, m0, out, N, n0);
     switch (t.rows) {
-      case 4: block_tile<4>(pairs, K, t.x_pairs, t.out, ahead, count); break;
-      case 3: block_tile<3>(pairs, K, t.x_pairs, t.out, ahead, count); break;
-      case 2: block_tile<2>(pairs, K, t.x_pairs, t.out, ahead, count); break;
-      default: block_tile<1>(pairs, K, t.x_pairs, t.out, ahead, count); break;
+      case 4: block_tile<4>(pairs, K, t.x_pairs, t.out, share); break;
+      case 3: block_tile<3>(pairs, K, t.x_pairs, t.out, share); break;
+      case 2: block_tile<2>(pairs, K, t.x_pairs, t.out, share); break;
+      default: block_tile<1>(pairs, K, t.x_pairs, t.out, share); break;
     }
   }
 }

@@ -187,12 +187,28 @@ constexpr int64_t STREAM_PREFETCH_BYTES = 4096;
 // across those tiles, so each block's first pass waited on DRAM (~5 ms of a 37 ms pass over
 // SmolLM2's layers at 64 rows, 2-core EPYC). So every tile of a block requests its share of
 // the thread's next block into L2 (prefetcht1), a line per step of its loop (a burst of them
-// at the tile's start gained nothing). Where the tiles call it: "the next block, into L2".
+// at the tile's start gained nothing): next_block_share(next, bytes, tile, tiles).at_step(p).
+struct NextBlockShare {
+  const char* ahead = nullptr;  // the share's first line
+  int64_t lines = 0;            // requested one per step, the first `lines` steps
+  // Always inlined: see prefetch_blocks_ahead below.
+  __attribute__((always_inline)) void at_step(int64_t step) const {
+    if (step < lines) __builtin_prefetch(ahead + step * 64, 0, 2);  // locality 2: prefetcht1
+  }
+};
+
+// Tile `tile` of `tiles`' share of the next block's `next_bytes` at `next` (none if nullptr).
+inline NextBlockShare next_block_share(const char* next, int64_t next_bytes, int64_t tile,
+                                       int64_t tiles) {
+  if (next == nullptr) return {};
+  const int64_t lines = (next_bytes + 63) / 64, first = lines * tile / tiles;
+  return {next + first * 64, lines * (tile + 1) / tiles - first};
+}
 
 // A tile of up to TILE bfloat16 x rows (starting at row m0 of M) over one output block starting
 // at column n0: each x row seen as (x(k), x(k + 1)) pairs in 32-bit units, the operand
 // vdpbf16ps broadcasts, and where the row's outputs go. For the bf16-pair kernels
-// (cpu_int4_linear.h, cpu_int8_rows.h).
+// (cpu_int4_linear.h, cpu_pair_tiles.h).
 template <int TILE>
 struct PairTile {
   int rows = 0;

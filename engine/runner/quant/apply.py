@@ -52,8 +52,9 @@ CPU_FUSED_DEQUANT_MIN_ROWS = 32
 CPU_INT4_KERNEL_DEQUANT_MIN_ROWS = 65
 # int8 layers whose int8_linear takes many bfloat16 rows (kernels/cpu_int8_rows.h: AVX512-BF16,
 # no AMX): weight rows widened to bf16 once per call, then vdpbf16ps. Measured over SmolLM2's
-# decoder layers at 64 rows on the 2-core EPYC, one run (2026-12-06): 34.7 ms against 34.1 for
-# the prepacked bf16 kernel; dequantize + oneDNN took ~48 on another day (README, quantization).
+# decoder layers at 64 rows on the 2-core EPYC (benchmarks.packed_linear --quantized,
+# 2026-12-06): 34.0 ms against 34.9 for the prepacked bf16 kernel; dequantize + oneDNN took ~48
+# on another day (README, quantization).
 CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS = 65
 # Quantized bfloat16 layers on CPUs with AMX (kernels/cpu_amx_linear.h): the weight-only kernels
 # multiply many rows with AMX tiles, converting the weight to 16-bit once per call in L2, where
