@@ -808,6 +808,8 @@ torch::Tensor packed_bf16_linear(torch::Tensor x, int64_t weight_address, int64_
 
 }  // namespace
 
+#include "cpu_decode_step.h"  // after the ops: its layer loop calls them
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = RMSNorm(x) * w");
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = RMSNorm(residual) * w");
@@ -827,4 +829,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (bfloat16) @ W.T for few rows, W int4 in kernels/int4_pack.py's 64-row blocks");
   m.def("packed_bf16_linear", &packed_bf16_linear,
         "x @ W.T for few rows, W bfloat16 in oneDNN's 64-row, pairs-of-inputs packed layout");
+  namespace step = cpu_decode_step;
+  pybind11::class_<step::Linear>(m, "StepLinear",
+                                 "a linear layer's few-row kernel with its weights, for DecodeStep");
+  m.def("packed_bf16_call", &step::packed_bf16_call, "packed_bf16_linear's weights as a StepLinear");
+  m.def("int8_call", &step::int8_call, "int8_linear's weights as a StepLinear");
+  m.def("int4_call", &step::int4_call, "int4_linear's weights as a StepLinear");
+  pybind11::class_<step::DecodeStep>(m, "DecodeStep",
+                                     "a decoder pass of few rows in one call (cpu_decode_step.h)")
+      .def(pybind11::init<const pybind11::capsule&, int64_t, int64_t, int64_t, double,
+                          torch::Tensor, double>())
+      .def("add_layer", &step::DecodeStep::add_layer)
+      .def_property_readonly("num_layers", &step::DecodeStep::num_layers)
+      // The GIL is released while the layers run: the server's and UI's Python threads go on.
+      .def("forward", &step::DecodeStep::forward,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 #include <omp.h>
 
+#include "cpu_attention_api.h"
 #include "cpu_simd.h"
 #include "cpu_decode_bf16.h"
 #include "cpu_prefill_amx.h"
@@ -672,7 +673,15 @@ bool has_amx_prefill() {
 
 void set_amx_prefill(bool enabled) { amx_prefill_enabled.store(enabled); }
 
+// The entry points above for other extensions (cpu_attention_api.h): cpu_fused_ops.cpp's
+// decode step calls them per layer without a trip through Python.
+pybind11::capsule api() {
+  static const cpu_attention_api::Api table{&store_kv, &paged_attention};
+  return pybind11::capsule(&table, cpu_attention_api::CAPSULE_NAME);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("api", &api, "store_kv and paged_attention as a C function table (cpu_attention_api.h)");
   m.def("paged_attention", &paged_attention,
         "Paged attention over a block-table KV cache, in place (decode and prefill)");
   m.def("store_kv", &store_kv, "New K/V rows into a head-major paged cache at their slots");

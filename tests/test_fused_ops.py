@@ -281,6 +281,7 @@ def test_int8_bf16_layers_take_a_batch_64_step_with_the_kernel(fused, monkeypatc
 
     calls = _count_rows(monkeypatch, "int8_linear")
     llm = LLM(quantization="int8", fused_ops=True, **{**COMMON, "dtype": "bfloat16"})
+    llm.engine.runner.model.decode_step = None  # the Python layers: their calls are counted
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int8Linear)]
     expected = _many_rows_switch(CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS)
     assert all(m.rows_kernel and m.dequant_min_rows == expected for m in layers)
@@ -465,6 +466,9 @@ def test_few_row_steps_call_the_bound_kernels_with_the_module_paths_tokens(fused
         _int4_kernel(fused)
     config = {**COMMON, "dtype": "bfloat16", "quantization": quantization}
     llm = LLM(fused_ops=True, **config)
+    # The layers' own path; the one-call C++ step over the same kernels has its own tests
+    # (tests/test_cpu_decode_step.py).
+    llm.engine.runner.model.decode_step = None
     layers = llm.engine.runner.model.layers
     if quantization == "none" and layers[0].self_attn.o_proj.few_rows is None:
         # With AMX, oneDNN packs a 64-row weight (this tiny model's o_proj) in another layout

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from engine.runner.attention.base import AttentionBackend, AttentionMetadata
 from engine.runner.attention.kv_quant import LayerKVCache
 from engine.runner.models.arch import ModelArch, rope_inv_freq
 from engine.runner.models.layer_ops import TorchOps
+
+if TYPE_CHECKING:
+    from engine.runner.models.decode_step import CpuDecodeStep
 
 
 class RMSNorm(nn.Module):
@@ -178,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.max_positions = max_positions
+        self.decode_step: CpuDecodeStep | None = None  # bind_few_row_calls
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.init_rope()
@@ -196,10 +201,14 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin = freqs.sin()
 
     def bind_few_row_calls(self) -> None:
-        """Every layer's few-row kernels, bound (LlamaDecoderLayer.bind_few_row_calls): call
-        once the weights are final (after quantization and prepacking)."""
+        """Every layer's few-row kernels, bound (LlamaDecoderLayer.bind_few_row_calls), and the
+        whole pass as one C++ call where every piece has a kernel (decode_step.py): call once
+        the weights are final (after quantization and prepacking)."""
+        from engine.runner.models.decode_step import CpuDecodeStep
+
         for layer in self.layers:
             layer.bind_few_row_calls()
+        self.decode_step = CpuDecodeStep.build(self)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -214,6 +223,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (normed); logits are computed apart."""
         hidden = self.embed_tokens(input_ids)
+        step = self.decode_step
+        if step is not None and step.takes(hidden.shape[0], meta):
+            return step(hidden, positions, self.rope_cos, self.rope_sin, kv_caches, meta)
         rope = self.ops.rope_tables(positions, self.rope_cos, self.rope_sin, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

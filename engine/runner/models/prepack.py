@@ -90,6 +90,14 @@ class PrepackedLinear(nn.Module):
             kernel, address, n, k = kernels.packed_bf16_linear, self.packed_address, *weight.shape
             self.few_rows = lambda x: kernel(x, address, n, k)
 
+    def step_linear(self) -> object | None:
+        """The few-row kernel's weights for the C++ decode step (decode_step.py), or None."""
+        if self.few_rows is None:
+            return None
+        return self.gemv_kernels.load_extension().packed_bf16_call(
+            self.packed_weight, self.packed_address, self.out_features, self.in_features
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         few_rows = self.few_rows
         if few_rows is not None and x.dim() == 2 and x.shape[0] <= self.few_rows_max:

@@ -174,6 +174,12 @@ class Int8Linear(QuantLinear):
             kernel, qweight, scales = self.cpu_kernels.int8_linear, self.qweight, self.scales
             self.few_rows = lambda x: kernel(x, qweight, scales)
 
+    def step_linear(self) -> object | None:
+        """The few-row kernel's weights for the C++ decode step (decode_step.py), or None."""
+        if self.few_rows is None:
+            return None
+        return self.cpu_kernels.load_extension().int8_call(self.qweight, self.scales)
+
     @property
     def rows_kernel(self) -> bool:
         """Whether the few-rows kernel also takes many rows (kernels/cpu_int8_rows.h: bfloat16
@@ -250,6 +256,14 @@ class Int4Linear(QuantLinear):
             kernel, packed, params = self.cpu_kernels.int4_linear, self.packed, self.scale_and_zero
             group_size = self.group_size
             self.few_rows = lambda x: kernel(x, packed, params, group_size)
+
+    def step_linear(self) -> object | None:
+        """The few-row kernel's weights for the C++ decode step (decode_step.py), or None."""
+        if self.few_rows is None:
+            return None
+        return self.cpu_kernels.load_extension().int4_call(
+            self.packed, self.scale_and_zero, self.group_size
+        )
 
     def dequant_rows_mm(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         if self.cpu_kernels is None:
