@@ -4,6 +4,7 @@
     python -m benchmarks.batch1 --vary prepack_weights=true,false
     python -m benchmarks.batch1 --vary fused_ops=true,false
     python -m benchmarks.batch1 --vary quantization=none,int8,int4
+    python -m benchmarks.batch1 --skip-hf --decode-step-ab 6 [--quantization int4]
 
 One user, one request at a time (a chat, an agent loop): each prompt (--prompt-len tokens) is
 sent when the previous one has finished and generates exactly --output-len tokens, greedy.
@@ -19,6 +20,10 @@ measured at the start of the run (engine/telemetry/ceilings.py; --cached-ceiling
 cached one). Printed as JSON: each engine's
 TPOT over the floor and over the baseline's TPOT, and whether its tokens equal the baseline's.
 Timings are noisy when other processes share the cores: the load average is reported.
+`--decode-step-ab N`: the one-call C++ decode step (engine/runner/models/decode_step.py) on and
+off in one more engine of the first config, request by request over N rounds (interleaved, so
+a slow spell of the machine hits both): the step's own share, which `--vary
+enforce_eager=false,true` mixes with the layers' direct kernel calls.
 """
 
 from __future__ import annotations
@@ -69,6 +74,41 @@ def run_ours(config: EngineConfig, prompts: list[list[int]], output_len: int) ->
     return result
 
 
+def run_decode_step_ab(
+    config: EngineConfig, prompts: list[list[int]], output_len: int, rounds: int
+) -> dict:
+    """Median TPOT with the model's C++ decode step and with its Python layers (the step set
+    aside), alternating per request."""
+    llm = LLM(**dataclasses.asdict(config))
+    model = llm.engine.runner.model
+    step = model.decode_step
+    if step is None:
+        return {"skipped": "no C++ decode step in this configuration (see decode_step.py)"}
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    tpots: dict[bool, list[float]] = {True: [], False: []}
+    tokens: dict[bool, list[list[int]]] = {True: [], False: []}
+    for _ in range(rounds):
+        for prompt in prompts:
+            for on in (True, False):
+                model.decode_step = step if on else None
+                out = llm.generate([prompt], params)[0]
+                tpots[on].append(out.metrics.tpot_s * 1e3)
+                tokens[on].append(out.token_ids)
+    model.decode_step = step
+    del llm
+    gc.collect()
+    on_ms, off_ms = statistics.median(tpots[True]), statistics.median(tpots[False])
+    return {
+        "requests_each": len(tpots[True]),
+        "step_tpot_ms": round(on_ms, 2),
+        "layers_tpot_ms": round(off_ms, 2),
+        "step_over_layers": round(on_ms / off_ms, 3),
+        "step_faster_in_pairs": sum(a < b for a, b in zip(tpots[True], tpots[False], strict=True)),
+        "same_tokens": tokens[True] == tokens[False],
+    }
+
+
 def run_hf(weights_dir, dtype: torch.dtype, prompts: list[list[int]], output_len: int) -> dict:
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
@@ -104,6 +144,8 @@ def build_parser():
     p.add_argument("--vary", default="prepack_weights=true,false",
                    help="FIELD=V1,V2,...: one engine per value, the first is the baseline")  # fmt: skip
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--decode-step-ab", type=int, default=0, metavar="ROUNDS",
+                   help="also time the C++ decode step on/off, interleaved, over ROUNDS rounds")  # fmt: skip
     add_ceilings_flag(p)
     return p
 
@@ -146,6 +188,10 @@ def main(argv: list[str] | None = None) -> dict:
         "vary": field,
         "runs": runs,
     }
+    if args.decode_step_ab > 0:
+        report["decode_step_ab"] = run_decode_step_ab(
+            config, prompts, args.output_len, args.decode_step_ab
+        )
     emit(report, args.json)
     return report
 

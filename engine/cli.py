@@ -71,7 +71,7 @@ FLAG_HELP: dict[str, str] = {
         "the reference path (gather + batched matmuls)"
     ),
     "enforce_eager": "run the model's modules as written: no CUDA graphs (GPU), no direct "
-    "few-row kernel calls from the decoder layers (CPU)",
+    "few-row kernel calls from the decoder layers and no one-call C++ decode step (CPU)",
     "prepack_weights": "CPU, bfloat16: reorder linear weights for oneDNN once at load instead "
     "of on every matmul (bit-identical outputs); --no-prepack-weights for the before",
     "fused_ops": "RMSNorm with its residual add, RoPE and SiLU-and-mul as one kernel each "

@@ -101,7 +101,8 @@ class EngineConfig:
     # --- execution ---
     attention_backend: AttentionBackend = "auto"
     # True: every step runs the model's modules as written: no CUDA graphs (GPU), no direct
-    # few-row kernel calls from the decoder layers (CPU, llama.LayerCalls).
+    # few-row kernel calls from the decoder layers (CPU, llama.LayerCalls) and no whole pass in
+    # one C++ call (CPU, models/decode_step.py).
     enforce_eager: bool = False
     # CPU, 16-bit: linear weights reordered once for oneDNN instead of on every call (same
     # outputs; engine/runner/models/prepack.py). False is the "before" for comparisons.

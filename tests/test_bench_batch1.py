@@ -43,3 +43,22 @@ def test_bench_batch1_varies_a_field_and_reports_the_floor(tmp_path, capsys, mon
     asked.clear()
     batch1.main([*argv[:-2], "--skip-hf", "--cached-ceilings", "--vary", "prepack_weights=true"])
     assert asked == [("cpu", False)]
+
+
+def test_bench_batch1_times_the_decode_step_on_and_off(monkeypatch):
+    from kernels import cpu_attention, cpu_fused_ops
+
+    if cpu_fused_ops.cpu_fused_ops_status() or cpu_attention.cpu_kernel_status():
+        pytest.skip("CPU kernels unavailable")
+    toy = DeviceCeilings(name="toy", peak_flops_per_s={"bfloat16": 1e12}, bandwidth_bytes_per_s=1e9,
+                         measured=False, source="test")  # fmt: skip
+    monkeypatch.setattr(common, "get_ceilings", lambda device, refresh=False: toy)
+    argv = ["--model", "random:tiny", "--prompt-len", "12", "--output-len", "5", "--num-prompts",
+            "2", "--vary", "quantization=int8", "--skip-hf", "--decode-step-ab", "2"]  # fmt: skip
+    ab = batch1.main(argv)["decode_step_ab"]
+    assert ab["requests_each"] == 4 and ab["same_tokens"] is True
+    assert ab["step_tpot_ms"] > 0 and ab["layers_tpot_ms"] > 0
+    assert 0 <= ab["step_faster_in_pairs"] <= 4
+    # Where no step is built (enforce_eager), it says so instead of timing one path twice.
+    eager = batch1.main([*argv, "--enforce-eager"])["decode_step_ab"]
+    assert "skipped" in eager
