@@ -81,6 +81,10 @@ def test_step_hidden_states_are_the_layer_paths_bit_for_bit(quantization):
         llm = _llm(quantization)
         model = llm.engine.runner.model
         assert isinstance(model.decode_step, CpuDecodeStep)
+        # The header says what runs the layers.
+        assert llm.stats().layer_ops == (
+            f"cpu (fused C++ ops; steps of <= {model.decode_step.max_rows} tokens in one C++ call)"
+        )
         assert all(layer.few_row_calls is not None for layer in model.layers)
         if not use_step:
             model.decode_step = None  # the layer-by-layer path, few-row calls still bound
@@ -127,6 +131,7 @@ def test_no_step_without_every_kernel_and_the_same_tokens(why, overrides):
     reference = [o.token_ids for o in _llm("int8").generate(PROMPTS, PARAMS)]
     llm = LLM(quantization="int8", **{**COMMON, **overrides})
     assert llm.engine.runner.model.decode_step is None, why
+    assert "one C++ call" not in llm.stats().layer_ops
     if "kv_cache_dtype" not in overrides:  # int8 K/V round the cache: other tokens may come
         assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == reference
 

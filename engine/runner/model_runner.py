@@ -468,7 +468,11 @@ class ModelRunner:
         if self.fused_ops_fallback:
             return f"torch (fused ops unavailable: {self.fused_ops_fallback})"
         labels = {"cpu": "cpu (fused C++ ops)", "triton": "triton (fused Triton ops)"}
-        return labels.get(self.layer_ops.name, "torch")
+        label = labels.get(self.layer_ops.name, "torch")
+        step = self.model.decode_step
+        if step is not None:  # models/decode_step.py: said in the header, as what runs
+            label = label[:-1] + f"; steps of <= {step.max_rows} tokens in one C++ call)"
+        return label
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -61,7 +61,9 @@ DEFAULT_SIDE: dict[str, Any] = {
 }
 PREPACK_PRESET = "bf16 weights reordered per matmul vs prepacked"
 FUSED_OPS_PRESET = "norm/RoPE/SiLU as torch ops vs fused kernels (C++ / Triton)"
-EAGER_PRESET = "products through nn.Module vs direct kernel calls (enforce_eager)"
+EAGER_PRESET = (
+    "products through nn.Module vs direct kernel calls and the one-call C++ step (enforce_eager)"
+)
 KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
 N_SHARING_PRESET = "n=4 with vs without prompt sharing"
 AWQ_PRESET = "int4 RTN vs AWQ weights (after bf16 vs int4)"
