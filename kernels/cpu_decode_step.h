@@ -19,7 +19,9 @@
 
 #include "cpu_attention_api.h"
 
-namespace cpu_decode_step {
+// Hidden like pybind11's own types: the classes bound below would otherwise be more visible
+// than their pybind11 bases (a GCC warning), and nothing outside this extension links to them.
+namespace __attribute__((visibility("hidden"))) cpu_decode_step {
 
 // One linear layer's product y = x @ W.T as its few-row kernel computes it, weights bound.
 struct Linear {
@@ -40,15 +42,15 @@ struct Linear {
   }
 };
 
-Linear packed_bf16_call(torch::Tensor packed, int64_t address, int64_t out_features,
+inline Linear packed_bf16_call(torch::Tensor packed, int64_t address, int64_t out_features,
                         int64_t in_features) {
   return {Linear::Kind::PackedBf16, std::move(packed), {}, address, out_features, in_features};
 }
-Linear int8_call(torch::Tensor qweight, torch::Tensor scales) {
+inline Linear int8_call(torch::Tensor qweight, torch::Tensor scales) {
   const int64_t n = qweight.size(0), k = qweight.size(1);
   return {Linear::Kind::Int8, std::move(qweight), std::move(scales), 0, n, k};
 }
-Linear int4_call(torch::Tensor packed, torch::Tensor scale_and_zero, int64_t group_size) {
+inline Linear int4_call(torch::Tensor packed, torch::Tensor scale_and_zero, int64_t group_size) {
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
   return {Linear::Kind::Int4, std::move(packed), std::move(scale_and_zero), 0, n, k, group_size};
 }
