@@ -148,17 +148,21 @@ def test_step_rejects_bad_inputs_naming_them():
     with pytest.raises(ValueError, match="heads"):
         ext.DecodeStep(cpu_attention.load_extension().api(), 3, 2, arch.head_dim, 1.0,
                        model.norm.weight.detach(), 1e-5)  # fmt: skip
+    # One decode token of one sequence at position 0, with its slot and a one-block table.
     hidden = torch.zeros(1, arch.hidden_size, dtype=torch.bfloat16)
     positions = torch.zeros(1, dtype=torch.long)
-    caches = runner.kv_caches
-    meta = torch.zeros(1, dtype=torch.int32)
-    args = (positions, model.rope_cos, model.rope_sin)
+    keys, values = [c[0] for c in runner.kv_caches], [c[1] for c in runner.kv_caches]
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    seq_lens = torch.ones(1, dtype=torch.int32)
+    query_start = torch.tensor([0, 1], dtype=torch.int32)
+
+    def forward(keys, values, slots):
+        step.step.forward(hidden, positions, model.rope_cos, model.rope_sin, keys, values,
+                          slots, table, seq_lens, query_start)  # fmt: skip
+
     with pytest.raises(ValueError, match="one cache per layer"):
-        step.step.forward(hidden, *args, [c[0] for c in caches[:1]], [c[1] for c in caches[:1]],
-                          positions, meta.view(1, 1), meta, torch.tensor([0, 1], dtype=torch.int32))  # fmt: skip
+        forward(keys[:1], values[:1], positions)
     with pytest.raises(ValueError, match="slot_mapping"):  # from the attention extension
-        bad_slots = torch.tensor([10**9])
-        step.step.forward(hidden, *args, [c[0] for c in caches], [c[1] for c in caches],
-                          bad_slots, meta.view(1, 1), meta + 1, torch.tensor([0, 1], dtype=torch.int32))  # fmt: skip
+        forward(keys, values, torch.tensor([10**9]))
     # The engine goes on after the refused calls.
     assert len(llm.generate([[5, 6, 7]], PARAMS)[0].token_ids) == PARAMS.max_tokens
