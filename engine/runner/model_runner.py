@@ -235,10 +235,19 @@ class ModelRunner:
             passes = self.drafter.last_passes if self.drafter is not None else []
             if not rows:
                 return RunnerOutput(draft_time_s=draft_time_s, draft_passes=passes)
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = self.model.compute_logits(self._hidden_rows(hidden, rows))
             result = self._sample_and_verify(logits, picks)
             add_logprobs(logits, picks, prompt_rows, result)
             return replace(result, draft_time_s=draft_time_s, draft_passes=passes)
+
+    def _hidden_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """hidden[rows]: a view when the rows are consecutive (decode steps: every row), else a
+        gather. Indexing with a tensor took ~50 us a step of an int4 batch-1 decode in the
+        engine (10 us on its own, against 1.3 us for a slice; 2-core EPYC)."""
+        first = rows[0]
+        if rows[-1] - first == len(rows) - 1 and rows == list(range(first, first + len(rows))):
+            return hidden[first : first + len(rows)]
+        return hidden[torch.tensor(rows, device=self.device)]
 
     def _run_drafter(self, out: SchedulerOutput) -> float:
         """speculative_method="draft": the draft model catches up on the step's tokens and
