@@ -95,8 +95,6 @@ class DecodeStep {
                        std::move(norm2_weight), norm2_eps, std::move(gate_up), std::move(down)});
   }
 
-  int64_t num_layers() const { return int64_t(layers_.size()); }
-
   // hidden: the embeddings [T, hidden] (the residual stream's start; updated in place).
   // positions int64 [T]; cos/sin float32 [max_positions, D/2]; keys/values: each layer's
   // head-major 16/32-bit cache [Hkv, blocks, block_size, D]; the rest is the attention

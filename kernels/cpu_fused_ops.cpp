@@ -840,7 +840,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const pybind11::capsule&, int64_t, int64_t, int64_t, double,
                           torch::Tensor, double>())
       .def("add_layer", &step::DecodeStep::add_layer)
-      .def_property_readonly("num_layers", &step::DecodeStep::num_layers)
       // The GIL is released while the layers run: the server's and UI's Python threads go on.
       .def("forward", &step::DecodeStep::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>());

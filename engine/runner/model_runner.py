@@ -245,7 +245,7 @@ class ModelRunner:
         gather. Indexing with a tensor took ~50 us a step of an int4 batch-1 decode in the
         engine (10 us on its own, against 1.3 us for a slice; 2-core EPYC)."""
         first = rows[0]
-        if rows[-1] - first == len(rows) - 1 and rows == list(range(first, first + len(rows))):
+        if rows == list(range(first, first + len(rows))):
             return hidden[first : first + len(rows)]
         return hidden[torch.tensor(rows, device=self.device)]
 
@@ -476,12 +476,11 @@ class ModelRunner:
     def layer_ops_description(self) -> str:
         if self.fused_ops_fallback:
             return f"torch (fused ops unavailable: {self.fused_ops_fallback})"
+        step = self.model.decode_step  # built only with the C++ ops (models/decode_step.py)
+        if step is not None:
+            return f"cpu (fused C++ ops; steps of <= {step.max_rows} tokens in one C++ call)"
         labels = {"cpu": "cpu (fused C++ ops)", "triton": "triton (fused Triton ops)"}
-        label = labels.get(self.layer_ops.name, "torch")
-        step = self.model.decode_step
-        if step is not None:  # models/decode_step.py: said in the header, as what runs
-            label = label[:-1] + f"; steps of <= {step.max_rows} tokens in one C++ call)"
-        return label
+        return labels.get(self.layer_ops.name, "torch")
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -46,13 +46,15 @@ class CpuDecodeStep:
             return None
         layers = []
         for layer in model.layers:
-            calls = layer.few_row_calls
+            calls = layer.few_row_calls  # bound only when no product has a bias (few_row_call)
+            if calls is None:
+                return None
             attn, mlp = layer.self_attn, layer.mlp
             linears = [
                 _step_linear(m)
                 for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             ]
-            if calls is None or any(linear is None for linear in linears):
+            if any(linear is None for linear in linears):
                 return None
             layers.append((calls, linears))
         arch, ext = model.arch, model.ops.impl
@@ -93,9 +95,7 @@ class CpuDecodeStep:
 
 
 def _step_linear(linear: torch.nn.Module) -> object | None:
-    """The linear's few-row kernel with its weights for the C++ step, or None (no such kernel,
-    or a bias, which the few-row calls leave to the module too)."""
-    if getattr(linear, "bias", None) is not None:
-        return None
+    """The linear's few-row kernel with its weights for the C++ step, or None (no such kernel:
+    PrepackedLinear and the quantized linears have one where their few-row call exists)."""
     step_linear = getattr(linear, "step_linear", None)
     return None if step_linear is None else step_linear()
