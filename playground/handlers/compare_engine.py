@@ -131,7 +131,7 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"fused_ops": True, "max_num_seqs": 1},
     ),
     # CPU: at batch 1 each of a layer's four products is 10-40 us of kernel, and reaching it
-    # through nn.Module dispatch cost ~1 ms of a 6 ms int4 token (README, batch-1 latency);
+    # through nn.Module dispatch cost ~1 ms of a 6 ms int4 token (docs/measurements/batch1.md);
     # on a GPU the same switch turns CUDA graphs off.
     EAGER_PRESET: (
         {"enforce_eager": True, "max_num_seqs": 1},
@@ -244,8 +244,9 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
         },
     ),
     # Not measured in this tab (its prompts are random tokens, not chat): benchmarks.spec
-    # measured the same setting on chat prompts at batch 1 (README). Engine steps are counted,
-    # not timed: with drafts accepted each step yields several tokens, so the count drops.
+    # measured the same setting on chat prompts at batch 1 (docs/measurements/speculative.md).
+    # Engine steps are counted, not timed: with drafts accepted each step yields several
+    # tokens, so the count drops.
     DRAFT_PRESET: PresetDefaults("Engine steps", QUANT_WORKLOAD),
     # Long prompts arriving while others decode: a 32-token budget chunks each 224-token
     # prefill over 7 steps, a 256-token one does it in one. Measured on the 2-core CPU: mean
@@ -264,7 +265,7 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     ),
     # One request at a time (max_num_seqs 1): each decode step is a matrix-vector product per
     # layer, bound by weight bytes, where the weight-only kernels pay off. Headline TPOT;
-    # the weight-memory and same-tokens rows show the price (measured: see README, Quantization).
+    # the weight-memory and same-tokens rows show the price (docs/measurements/quantization.md).
     "bf16 vs int8 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     "bf16 vs int4 weights": PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     # Same speed expected (one kernel, one format): the point is the perplexity row.

@@ -32,9 +32,9 @@ from engine.runner.quant.linear import (
 # Rows (tokens) at and above which a layer dequantizes into the scratch and runs the 16-bit
 # GEMM instead of the weight-only kernel, per format, on CPU: the smallest M from which the
 # dequantize path was faster over SmolLM2-135M's decoder layer in `python -m
-# benchmarks.quant_crossover` (2-core AMD EPYC with AVX-512 BF16, no AMX; README,
-# "Quantization"). Per layer at M = 64: int8 kernel 3.2 ms vs dequantize 3.1 ms; int4 at
-# M = 128: kernel 6.8 ms vs dequantize 6.7 ms (bf16 alone: 1.7 and 2.9 ms). The int4
+# benchmarks.quant_crossover` (2-core AMD EPYC with AVX-512 BF16, no AMX;
+# docs/measurements/quantization.md). Per layer at M = 64: int8 kernel 3.2 ms vs dequantize
+# 3.1 ms; int4 at M = 128: kernel 6.8 ms vs dequantize 6.7 ms (bf16 alone: 1.7 and 2.9 ms). The int4
 # dequantization costs more (unpacking nibbles), so its crossover is higher.
 CPU_DEQUANT_MIN_ROWS = {"int8": 64, "int4": 128}
 # The same with the one-pass C++ dequantization (fused_ops, kernels/cpu_fused_ops.cpp):
@@ -54,7 +54,7 @@ CPU_INT4_KERNEL_DEQUANT_MIN_ROWS = 65
 # no AMX): weight rows widened to bf16 once per call, then vdpbf16ps. Measured over SmolLM2's
 # decoder layers at 64 rows on the 2-core EPYC (benchmarks.packed_linear --quantized,
 # 2026-12-06): 34.0 ms against 34.9 for the prepacked bf16 kernel; dequantize + oneDNN took ~48
-# on another day (README, quantization).
+# on another day (docs/measurements/quantization.md).
 CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS = 65
 # Quantized bfloat16 layers on CPUs with AMX (kernels/cpu_amx_linear.h): the weight-only kernels
 # multiply many rows with AMX tiles, converting the weight to 16-bit once per call in L2, where
