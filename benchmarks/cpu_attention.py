@@ -28,7 +28,9 @@ Where the blocks sit (cpu_kernel and read_only are timed on both, in one run):
   the scheduler's way: prompts (context - --decoded tokens) prefilled in 512-token chunks in
   arrival order, requests whose prompt is done decoding one token per step meanwhile, until
   every request holds its context. Prompt blocks come out in runs of consecutive ids, decode
-  blocks interleaved across requests.
+  blocks interleaved across requests;
+- contiguous: every request's blocks consecutive, one request after another (what no allocator
+  of a running server keeps, and the best any could): the most a placement policy could gain.
 The floor is the K/V bytes the step must read over the bandwidth measured here (a large
 tensor copy, read + write bytes, as engine/telemetry/ceilings.py measures it). Each path is
 timed `--repeats` times after a warm-up; min and median are reported (a shared machine's
@@ -135,6 +137,15 @@ def engine_tables(
     return [manager.block_table(str(i)) for i in range(len(seq_lens))]
 
 
+def contiguous(seq_lens: list[int], bs: int) -> list[list[int]]:
+    """Each request's blocks consecutive, the requests one after another."""
+    tables, used = [], 0
+    for n in seq_lens:
+        tables.append(list(range(used, used + cdiv(n, bs))))
+        used += cdiv(n, bs)
+    return tables
+
+
 def runs_of_consecutive_blocks(tables: list[list[int]]) -> dict[str, float]:
     """How contiguous the tables are: runs of consecutive block ids (ascending or descending:
     a freed request's blocks rejoin the free list tail first)."""
@@ -156,6 +167,7 @@ def main() -> None:
     num_blocks = sum(cdiv(n, bs) for n in seq_lens) + 8
     tables = shuffled_tables(seq_lens, bs, rng)
     placed_tables = engine_tables(seq_lens, bs, args.decoded)
+    contiguous_tables = contiguous(seq_lens, bs)
 
     backend = TorchBackend(hkv, dim, bs, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(args.seed)
@@ -249,17 +261,20 @@ def main() -> None:
     results["read_only"] = per_layer(read_only_on(tables))
     in_cache = [[i % min(16, num_blocks) for i in range(len(t))] for t in tables]
     results["cpu_kernel_in_cache"] = per_layer(kernel_on(in_cache))
-    # The same K/V rows moved to where the engine's tables put them, then the kernel on those.
-    for layer in caches:
-        for c in layer:
-            moved = torch.empty_like(c)
-            for old_table, new_table in zip(tables, placed_tables, strict=True):
-                moved[:, new_table] = c[:, old_table]
-            c.copy_(moved)
-    results["cpu_kernel_engine_placement"] = per_layer(kernel_on(placed_tables))
-    results["read_only_engine_placement"] = per_layer(read_only_on(placed_tables))
-    placed_out = kernel_on(placed_tables)(caches[0]).float()
-    assert torch.equal(placed_out, outs["cpu_kernel"]), "moving the blocks changed the output"
+    # The same K/V rows moved to where each placement's tables put them, then timed there.
+    current = tables
+    for name, placement in (("engine_placement", placed_tables), ("contiguous", contiguous_tables)):
+        for layer in caches:
+            for c in layer:
+                moved = torch.empty_like(c)
+                for old_table, new_table in zip(current, placement, strict=True):
+                    moved[:, new_table] = c[:, old_table]
+                c.copy_(moved)
+        current = placement
+        results[f"cpu_kernel_{name}"] = per_layer(kernel_on(placement))
+        results[f"read_only_{name}"] = per_layer(read_only_on(placement))
+        moved_out = kernel_on(placement)(caches[0]).float()
+        assert torch.equal(moved_out, outs["cpu_kernel"]), f"{name}: moving blocks changed output"
     bandwidth = measure_bandwidth("cpu")
     kv_bytes = 2 * sum(seq_lens) * hkv * dim * k_cache.element_size()
     floor_ms = kv_bytes / bandwidth * 1e3
@@ -288,6 +303,8 @@ def main() -> None:
             "cpu_kernel_engine_placement_over_floor": results["cpu_kernel_engine_placement"][
                 "median_ms"
             ]
+            / floor_ms,
+            "cpu_kernel_contiguous_over_floor": results["cpu_kernel_contiguous"]["median_ms"]
             / floor_ms,
             "engine_placement_runs": runs_of_consecutive_blocks(placed_tables),
             "read_only_over_floor": results["read_only"]["median_ms"] / floor_ms,

@@ -1,5 +1,5 @@
 """benchmarks.cpu_attention's block placements: the engine's tables are the BlockManager's own
-(valid, disjoint, covering each context), and a tiny run reports both placements."""
+(valid, disjoint, covering each context), and a tiny run reports every placement."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ from engine.core.block_manager import cdiv
 from kernels.cpu_attention import cpu_kernel_status
 
 
-@pytest.mark.parametrize("placement", ["engine", "shuffled"])
+@pytest.mark.parametrize("placement", ["engine", "shuffled", "contiguous"])
 def test_tables_cover_each_context_with_distinct_blocks(placement):
     seq_lens, bs = [40, 300, 17, 129], 16
     if placement == "engine":
         tables = cpu_attention.engine_tables(seq_lens, bs, decoded=20, token_budget=64)
-    else:
+    elif placement == "shuffled":
         tables = cpu_attention.shuffled_tables(seq_lens, bs, random.Random(0))
+    else:
+        tables = cpu_attention.contiguous(seq_lens, bs)
+        assert cpu_attention.runs_of_consecutive_blocks(tables)["runs"] == len(seq_lens)
     assert [len(t) for t in tables] == [cdiv(n, bs) for n in seq_lens]
     blocks = [b for t in tables for b in t]
     assert len(set(blocks)) == len(blocks)
@@ -35,7 +38,7 @@ def test_engine_placement_keeps_prompts_in_runs():
     assert runs["blocks"] == 20 and 2 <= runs["runs"] < 20
 
 
-def test_tiny_run_reports_both_placements(tmp_path, capsys, monkeypatch):
+def test_tiny_run_reports_every_placement(tmp_path, capsys, monkeypatch):
     if (why := cpu_kernel_status()) is not None:
         pytest.skip(f"CPU kernel unavailable: {why}")
     out = tmp_path / "attn.json"
@@ -46,11 +49,12 @@ def test_tiny_run_reports_both_placements(tmp_path, capsys, monkeypatch):
     report = json.loads(out.read_text())
     assert set(report["per_layer"]) >= {
         "cpu_kernel", "cpu_kernel_engine_placement", "read_only", "read_only_engine_placement",
-        "cpu_kernel_in_cache",
+        "cpu_kernel_in_cache", "cpu_kernel_contiguous", "read_only_contiguous",
     }  # fmt: skip
     assert report["cpu_kernel_over_read_only_plus_in_cache"] > 0
     assert report["cpu_kernel_over_read_only"] > 0
     assert report["cpu_kernel_engine_placement_over_floor"] > 0
+    assert report["cpu_kernel_contiguous_over_floor"] > 0
     assert report["relative_error_vs_gather_sdpa"]["cpu_kernel"] < 2e-2
 
 
