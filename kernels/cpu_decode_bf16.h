@@ -19,8 +19,8 @@
 //   odd dims with a shift and a mask, no shuffle) and accumulated into all G heads' float32
 //   accumulators, which stay in registers for the whole sequence (G x D/16 vectors, in that
 //   even/odd order until the output is written).
-// - The K/V rows 3 blocks ahead are prefetched into L2 while this block is computed
-//   (cpu_simd::prefetch_blocks_ahead says why L2).
+// - The K/V rows 3 blocks ahead are prefetched into L2 while this block is computed, a row
+//   per row (cpu_simd::rows_ahead says why L2 and why spread).
 // The softmax scale multiplies the float32 scores (the generic path pre-scales q instead).
 #pragma once
 
@@ -174,13 +174,23 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
       const c10::BFloat16* k_block = k_head + table[start / block_size] * block_stride;
       const int in_block = span_end - start < block_size ? span_end - start : block_size;
       constexpr int64_t E = sizeof(c10::BFloat16);
-      cpu_simd::prefetch_blocks_ahead(reinterpret_cast<const char*>(k_head), block_stride * E,
-                                      k_token_stride * E, D * E, table, block_size, ctx, start);
-      cpu_simd::prefetch_blocks_ahead(reinterpret_cast<const char*>(v_head), block_stride * E,
-                                      v_token_stride * E, D * E, table, block_size, ctx, start);
+      const char* k_bytes = reinterpret_cast<const char*>(k_head);
+      const char* v_bytes = reinterpret_cast<const char*>(v_head);
+      if (start == 0) {
+        cpu_simd::prefetch_first_blocks(k_bytes, block_stride * E, k_token_stride * E, D * E,
+                                        table, block_size, ctx);
+        cpu_simd::prefetch_first_blocks(v_bytes, block_stride * E, v_token_stride * E, D * E,
+                                        table, block_size, ctx);
+      }
+      const cpu_simd::RowsAhead k_ahead = cpu_simd::rows_ahead(
+          k_bytes, block_stride * E, k_token_stride * E, D * E, table, block_size, ctx, start);
+      const cpu_simd::RowsAhead v_ahead = cpu_simd::rows_ahead(
+          v_bytes, block_stride * E, v_token_stride * E, D * E, table, block_size, ctx, start);
       for (int t0 = 0; t0 < in_block; t0 += TOKENS) {
         const int n = in_block - t0 < TOKENS ? in_block - t0 : TOKENS;
         for (int t = 0; t < n; ++t) {
+          k_ahead.at(t0 + t);
+          v_ahead.at(t0 + t);
           const c10::BFloat16* row = k_block + (t0 + t) * k_token_stride;
           __m512bh k[QV];
           for (int j = 0; j < QV; ++j) k[j] = (__m512bh)_mm512_loadu_si512(row + 32 * j);

@@ -612,7 +612,7 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 
 // The memory-only share of decode attention, for benchmarks.cpu_attention: the K/V rows the
 // decode kernel reads for each (sequence, KV head), in its order, with its prefetch
-// (prefetch_blocks_ahead), threads and schedule, summed as raw 32-bit words instead of
+// (prefetch_first_blocks, rows_ahead), threads and schedule, summed as raw 32-bit words instead of
 // attended. The sum is returned so that nothing is optimized away. How fast this pattern of
 // scattered blocks can be read at all, with no arithmetic in the way.
 int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -641,14 +641,29 @@ int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor
     const int32_t* table = tables + seq * table_stride;
     const int ctx = lens[seq];
     u32x16 acc{};
+    const char* heads_rows[2];  // K's and V's rows of this head in block 0
+    for (int i = 0; i < 2; ++i) {
+      const CacheView* c = i == 0 ? &k : &v;
+      heads_rows[i] = static_cast<const char*>(c->data) + head * c->head_stride * element;
+      prefetch_first_blocks(heads_rows[i], c->block_stride * element, c->token_stride * element,
+                            row_bytes, table, bs, ctx);
+    }
     for (int start = 0; start < ctx; start += bs) {
       const int n = std::min(bs, ctx - start);
-      for (const CacheView* c : {&k, &v}) {
-        const char* rows = static_cast<const char*>(c->data) + head * c->head_stride * element;
-        prefetch_blocks_ahead(rows, c->block_stride * element, c->token_stride * element,
+      RowsAhead ahead[2];
+      for (int i = 0; i < 2; ++i) {
+        const CacheView* c = i == 0 ? &k : &v;
+        ahead[i] = rows_ahead(heads_rows[i], c->block_stride * element, c->token_stride * element,
                               row_bytes, table, bs, ctx, start);
-        const char* base = rows + table[start / bs] * c->block_stride * element;
+      }
+      for (int i = 0; i < 2; ++i) {  // K's rows (requesting K's and V's ahead), then V's
+        const CacheView* c = i == 0 ? &k : &v;
+        const char* base = heads_rows[i] + table[start / bs] * c->block_stride * element;
         for (int t = 0; t < n; ++t) {
+          if (i == 0) {
+            ahead[0].at(t);
+            ahead[1].at(t);
+          }
           const char* row = base + t * c->token_stride * element;
           for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
             acc += load_vec<u32x16>(row + line);

@@ -191,7 +191,7 @@ constexpr int64_t STREAM_PREFETCH_BYTES = 4096;
 struct NextBlockShare {
   const char* ahead = nullptr;  // the share's first line
   int64_t lines = 0;            // requested one per step, the first `lines` steps
-  // Always inlined: see prefetch_blocks_ahead below.
+  // Always inlined: see RowsAhead below.
   __attribute__((always_inline)) void at_step(int64_t step) const {
     if (step < lines) __builtin_prefetch(ahead + step * 64, 0, 2);  // locality 2: prefetcht1
   }
@@ -231,20 +231,49 @@ inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }
 // Paged K/V rows requested ahead of use, into L2 (prefetcht1): a request's blocks sit anywhere
 // in the pool and the hardware prefetcher does not follow the jump to the next one; into L1,
 // a scattered 2 KB read stalled at ~9 GB/s per core, into L2 it reaches ~15 (2-6 blocks ahead
-// measured alike). At key position `start` (a block's first), the rows of the block
-// PREFETCH_BLOCKS further are requested (at start 0, also those in between). `head`: one KV
-// head's rows of block 0; strides and row size in bytes. Always inlined: GCC 12 treats a
-// function whose only effect is a prefetch as side-effect free and deletes the calls it has not
-// inlined (objdump showed a kernel with none left, 1.6x slower on scattered blocks).
+// measured alike). While the block at key position `start` is computed, the block
+// PREFETCH_BLOCKS further is requested one row per row computed (rows_ahead(...).at(t)), not
+// in a burst at the block's first row: the burst's 64 prefetches (K and V, 16 rows of two
+// lines) queued behind each other and stalled the arithmetic after them; spread, the decode
+// kernel ran 6-8 % faster from DRAM (benchmarks.cpu_attention, 2-core EPYC, 2026-12-06; a
+// distance of 2 or 5 blocks was slower). The blocks between a sequence's first and that
+// distance are requested at its start (prefetch_first_blocks). `head`: one KV head's rows of
+// block 0; strides and row size in bytes. Always inlined: GCC 12 treats a function whose only
+// effect is a prefetch as side-effect free and deletes the calls it has not inlined (objdump
+// showed a kernel with none left, 1.6x slower on scattered blocks).
 constexpr int PREFETCH_BLOCKS = 3;
-__attribute__((always_inline)) inline void prefetch_blocks_ahead(
+
+struct RowsAhead {
+  const char* block = nullptr;  // the block PREFETCH_BLOCKS ahead (nullptr: past the context)
+  int rows = 0;                 // its rows inside the context
+  int64_t token_bytes = 0, row_bytes = 0;
+  __attribute__((always_inline)) void at(int t) const {
+    if (t >= rows) return;
+    for (int64_t line = 0; line < row_bytes; line += 64) {
+      __builtin_prefetch(block + t * token_bytes + line, 0, 2);  // locality 2: prefetcht1
+    }
+  }
+};
+
+__attribute__((always_inline)) inline RowsAhead rows_ahead(const char* head, int64_t block_bytes,
+                                                           int64_t token_bytes, int64_t row_bytes,
+                                                           const int32_t* table, int block_size,
+                                                           int ctx, int start) {
+  const int first = start + PREFETCH_BLOCKS * block_size;
+  if (first >= ctx) return {};
+  const int rows = ctx - first < block_size ? ctx - first : block_size;
+  return {head + table[first / block_size] * block_bytes, rows, token_bytes, row_bytes};
+}
+
+// Blocks 1 .. PREFETCH_BLOCKS - 1 of a sequence, at its start (rows_ahead covers the rest).
+__attribute__((always_inline)) inline void prefetch_first_blocks(
     const char* head, int64_t block_bytes, int64_t token_bytes, int64_t row_bytes,
-    const int32_t* table, int block_size, int ctx, int start) {
-  for (int ahead = start == 0 ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
-    const int first = start + ahead * block_size;
+    const int32_t* table, int block_size, int ctx) {
+  for (int ahead = 1; ahead < PREFETCH_BLOCKS; ++ahead) {
+    const int first = ahead * block_size;
     if (first >= ctx) break;
     const int rows = ctx - first < block_size ? ctx - first : block_size;
-    const char* block = head + table[first / block_size] * block_bytes;
+    const char* block = head + table[ahead] * block_bytes;
     for (int t = 0; t < rows; ++t) {
       for (int64_t line = 0; line < row_bytes; line += 64) {
         __builtin_prefetch(block + t * token_bytes + line, 0, 2);  // locality 2: prefetcht1
