@@ -38,42 +38,33 @@ namespace cpu_decode_bf16 {
 constexpr int TOKENS = 16;           // keys per reduction tree (one per float32 lane)
 constexpr int SPAN_KEYS = 128;       // keys per online-softmax step (whole blocks, >= 1)
 
-// _mm512_permutex2var_ps indices (0-15: a's lanes, 16-31: b's) that fold runs of k lanes of two
-// vectors a and b into one: lanes 0-7 take a's even runs of k (index set 0) or odd ones (set
-// 1), lanes 8-15 b's, so adding the two gathers sums each pair of runs. Levels k = 8, 4, 2, 1.
-struct FoldIndex {
-  alignas(64) int32_t lanes[4][2][16];
-  constexpr FoldIndex() : lanes{} {
-    for (int level = 0; level < 4; ++level) {
-      const int k = 8 >> level;
-      for (int i = 0; i < 16; ++i) {
-        lanes[level][0][i] = (i < 8 ? 0 : 16) + 2 * k * ((i % 8) / k) + i % k;
-        lanes[level][1][i] = lanes[level][0][i] + k;
-      }
-    }
-  }
-};
-inline constexpr FoldIndex FOLD_INDEX{};
-
-__attribute__((always_inline)) inline __m512 fold_runs(__m512 a, __m512 b, int level) {
-  const __m512i even = _mm512_load_si512(FOLD_INDEX.lanes[level][0]);
-  const __m512i odd = _mm512_load_si512(FOLD_INDEX.lanes[level][1]);
-  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
-}
-
-// r[t] = sum of the 16 lanes of v[t], for 16 vectors: four levels of fold_runs (runs of 8, 4,
-// 2, 1 lanes), each halving the vectors; after the level of runs of k, a vector holds 16 / k
-// tokens' partial sums in token order, k lanes each.
+// r[t] = sum of the 16 lanes of v[t], for 16 vectors. Two levels inside each 128-bit lane
+// (unpack and add: pairs of vectors, then pairs of pairs), after which vector j holds, in every
+// 128-bit quarter, that quarter's partial sums of v[4j .. 4j + 3]; then two levels across
+// quarters (vshuff32x4 and add) sum the quarters. 45 operations as the earlier tree of
+// cross-lane permutes (vpermt2ps) had, but 36 of them in-lane: the decode kernel's arithmetic
+// (benchmarks.cpu_attention's cpu_kernel_in_cache) went 0.47-0.51 -> 0.40-0.44 ms a layer on a
+// 2-core EPYC (three alternating pairs, 2026-12-06); from DRAM the change was inside the noise.
 __attribute__((always_inline)) inline __m512 transpose_sum(const __m512* v) {
-  __m512 r[TOKENS / 2];
+  __m512 a[TOKENS / 2];
 #pragma GCC unroll 8
-  for (int i = 0; i < TOKENS / 2; ++i) r[i] = fold_runs(v[2 * i], v[2 * i + 1], 0);
-#pragma GCC unroll 4
-  for (int level = 1; level < 4; ++level) {
-#pragma GCC unroll 4
-    for (int i = 0; i < (TOKENS / 2) >> level; ++i) r[i] = fold_runs(r[2 * i], r[2 * i + 1], level);
+  for (int i = 0; i < TOKENS / 2; ++i) {  // per quarter: v(2i)[0+2], v(2i+1)[0+2], .[1+3], .[1+3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   }
-  return r[0];
+  __m512 b[TOKENS / 4];
+#pragma GCC unroll 4
+  for (int j = 0; j < TOKENS / 4; ++j) {  // per quarter: v(4j) .. v(4j + 3), partial
+    const __m512d lo = _mm512_castps_pd(a[2 * j]), hi = _mm512_castps_pd(a[2 * j + 1]);
+    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  // Quarters (q0 + q1, q2 + q3) of b0 and b1, then of b2 and b3; then those pairs summed.
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                  _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                  _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
 
 inline __m512 exp_nonpositive(__m512 x) {
