@@ -102,14 +102,19 @@ def time_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
     }  # fmt: skip
 
 
-def shuffled_tables(seq_lens: list[int], bs: int, rng: random.Random) -> list[list[int]]:
-    ids = list(range(sum(cdiv(n, bs) for n in seq_lens)))
-    rng.shuffle(ids)
+def tables_from_ids(ids: list[int], seq_lens: list[int], bs: int) -> list[list[int]]:
+    """The block ids handed out in order: each request takes the next ones it needs."""
     tables, used = [], 0
     for n in seq_lens:
         tables.append(ids[used : used + cdiv(n, bs)])
         used += cdiv(n, bs)
     return tables
+
+
+def shuffled_tables(seq_lens: list[int], bs: int, rng: random.Random) -> list[list[int]]:
+    ids = list(range(sum(cdiv(n, bs) for n in seq_lens)))
+    rng.shuffle(ids)
+    return tables_from_ids(ids, seq_lens, bs)
 
 
 def engine_tables(
@@ -139,11 +144,7 @@ def engine_tables(
 
 def contiguous(seq_lens: list[int], bs: int) -> list[list[int]]:
     """Each request's blocks consecutive, the requests one after another."""
-    tables, used = [], 0
-    for n in seq_lens:
-        tables.append(list(range(used, used + cdiv(n, bs))))
-        used += cdiv(n, bs)
-    return tables
+    return tables_from_ids(list(range(sum(cdiv(n, bs) for n in seq_lens))), seq_lens, bs)
 
 
 def runs_of_consecutive_blocks(tables: list[list[int]]) -> dict[str, float]:

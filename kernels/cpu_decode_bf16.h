@@ -155,6 +155,13 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
   // dims shifted into place, the odd ones masked (they already are the top halves).
   const __m512i odd_mask = _mm512_set1_epi32(int(0xFFFF0000u));
   const __m512i interleave = _mm512_load_si512(INTERLEAVE_WORDS.words);
+  constexpr int64_t E = sizeof(c10::BFloat16);
+  const char* k_bytes = reinterpret_cast<const char*>(k_head);
+  const char* v_bytes = reinterpret_cast<const char*>(v_head);
+  cpu_simd::prefetch_first_blocks(k_bytes, block_stride * E, k_token_stride * E, D * E, table,
+                                  block_size, ctx);
+  cpu_simd::prefetch_first_blocks(v_bytes, block_stride * E, v_token_stride * E, D * E, table,
+                                  block_size, ctx);
   for (int span = 0; span < ctx; span += span_keys) {
     const int span_end = ctx - span < span_keys ? ctx : span + span_keys;
     // Pass 1: scores = scale * q.k per 16-key group; keys past ctx are never read (an unowned
@@ -164,15 +171,6 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
     for (int start = span; start < span_end; start += block_size) {
       const c10::BFloat16* k_block = k_head + table[start / block_size] * block_stride;
       const int in_block = span_end - start < block_size ? span_end - start : block_size;
-      constexpr int64_t E = sizeof(c10::BFloat16);
-      const char* k_bytes = reinterpret_cast<const char*>(k_head);
-      const char* v_bytes = reinterpret_cast<const char*>(v_head);
-      if (start == 0) {
-        cpu_simd::prefetch_first_blocks(k_bytes, block_stride * E, k_token_stride * E, D * E,
-                                        table, block_size, ctx);
-        cpu_simd::prefetch_first_blocks(v_bytes, block_stride * E, v_token_stride * E, D * E,
-                                        table, block_size, ctx);
-      }
       const cpu_simd::RowsAhead k_ahead = cpu_simd::rows_ahead(
           k_bytes, block_stride * E, k_token_stride * E, D * E, table, block_size, ctx, start);
       const cpu_simd::RowsAhead v_ahead = cpu_simd::rows_ahead(

@@ -612,9 +612,9 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 
 // The memory-only share of decode attention, for benchmarks.cpu_attention: the K/V rows the
 // decode kernel reads for each (sequence, KV head), in its order, with its prefetch
-// (prefetch_first_blocks, rows_ahead), threads and schedule, summed as raw 32-bit words instead of
-// attended. The sum is returned so that nothing is optimized away. How fast this pattern of
-// scattered blocks can be read at all, with no arithmetic in the way.
+// (prefetch_first_blocks, rows_ahead), threads and schedule, summed as raw 32-bit words
+// instead of attended. The sum is returned so that nothing is optimized away. How fast this
+// pattern of scattered blocks can be read at all, with no arithmetic in the way.
 int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                      torch::Tensor seq_lens) {
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
@@ -641,23 +641,23 @@ int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor
     const int32_t* table = tables + seq * table_stride;
     const int ctx = lens[seq];
     u32x16 acc{};
+    const CacheView* views[2] = {&k, &v};
     const char* heads_rows[2];  // K's and V's rows of this head in block 0
     for (int i = 0; i < 2; ++i) {
-      const CacheView* c = i == 0 ? &k : &v;
-      heads_rows[i] = static_cast<const char*>(c->data) + head * c->head_stride * element;
-      prefetch_first_blocks(heads_rows[i], c->block_stride * element, c->token_stride * element,
-                            row_bytes, table, bs, ctx);
+      const char* data = static_cast<const char*>(views[i]->data);
+      heads_rows[i] = data + head * views[i]->head_stride * element;
+      prefetch_first_blocks(heads_rows[i], views[i]->block_stride * element,
+                            views[i]->token_stride * element, row_bytes, table, bs, ctx);
     }
     for (int start = 0; start < ctx; start += bs) {
       const int n = std::min(bs, ctx - start);
       RowsAhead ahead[2];
       for (int i = 0; i < 2; ++i) {
-        const CacheView* c = i == 0 ? &k : &v;
-        ahead[i] = rows_ahead(heads_rows[i], c->block_stride * element, c->token_stride * element,
-                              row_bytes, table, bs, ctx, start);
+        ahead[i] = rows_ahead(heads_rows[i], views[i]->block_stride * element,
+                              views[i]->token_stride * element, row_bytes, table, bs, ctx, start);
       }
       for (int i = 0; i < 2; ++i) {  // K's rows (requesting K's and V's ahead), then V's
-        const CacheView* c = i == 0 ? &k : &v;
+        const CacheView* c = views[i];
         const char* base = heads_rows[i] + table[start / bs] * c->block_stride * element;
         for (int t = 0; t < n; ++t) {
           if (i == 0) {

