@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantized", action="store_true", help="also time int8_linear, int4_linear")
+    p.add_argument("--quantized", action="store_true",
+                   help="also time int8_linear, int4_linear (and with int8 activations)")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the JSON here")
     return p.parse_args(argv)
 
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     paths = ["kernel", "onednn"]
     if args.quantized:  # int4_linear needs AVX512-BF16 and VBMI (aten's kernel serves elsewhere)
         paths += ["int8", "int4"] if cpu_fused_ops.has_int4_linear() else ["int8"]
+        if cpu_fused_ops.has_int4_linear() and cpu_fused_ops.has_int8_act_linear():
+            paths.append("int4_a8")  # int8 activations from 1 row: where W4A8 overtakes W4A16
 
     def pass_of(rows: int, path: str) -> Callable[[], float]:
         xs = {
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
             ),
             "int8": lambda x, w: cpu_fused_ops.int8_linear(x, w["q8"], w["s8"]),
             "int4": lambda x, w: cpu_fused_ops.int4_linear(x, w["p4"], w["sz4"], INT4_GROUP),
+            "int4_a8": lambda x, w: cpu_fused_ops.int4_linear(x, w["p4"], w["sz4"], INT4_GROUP, 1),
         }
         call = calls[path]
 

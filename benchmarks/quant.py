@@ -1,4 +1,5 @@
-"""Quantization benchmark: none vs int8 vs int4 vs awq on one model, in one run.
+"""Quantization benchmark: none vs int8 vs int4 vs awq (and int4/awq with int8 activations,
+"+a8") on one model, in one run.
 
     python -m benchmarks.quant                         # the embedded SmolLM2-135M, bfloat16
     python -m benchmarks.quant --quantization-group-size 32 --output-len 16
@@ -38,7 +39,16 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 
-FORMATS = ("none", "int8", "int4", "awq")
+# "+a8": the same weights with int8_activations (W4A8 from 12 rows, CPUs with AVX512-VNNI).
+FORMATS = ("none", "int8", "int4", "awq", "int4+a8", "awq+a8")
+
+
+def format_fields(name: str) -> dict:
+    """A --formats entry as EngineConfig fields."""
+    quantization, _, a8 = name.partition("+")
+    return {"quantization": quantization, "int8_activations": a8 == "a8"}
+
+
 BATCH_SIZE = 64
 
 # Greedy agreement prompts: short, varied, plain text (no hub data set needed).
@@ -103,6 +113,9 @@ def describe(llm: LLM, config: EngineConfig, rounds: list[dict], output_len: int
 
     return {
         "quantization": config.quantization,
+        # int4/awq: W4A8 from this many rows (0: weight-only; int8_activations=False, or this
+        # CPU lacks the kernel)
+        "int8_activations_min_rows": summary.int8_activations_min_rows if summary else 0,
         "group_size": summary.group_size if summary else None,
         "weight_bytes": runner.weight_bytes,
         "linear_bytes_per_param": round(runner.linear_bytes_per_param or runner.dtype.itemsize, 4),
@@ -136,7 +149,7 @@ def agreement(runs: list[dict]) -> None:
 
 def build_parser():
     # Not flags: the benchmark sets the format itself and runs batches of BATCH_SIZE.
-    p = bench_parser(__doc__, exclude=("quantization", "max_num_seqs"))
+    p = bench_parser(__doc__, exclude=("quantization", "int8_activations", "max_num_seqs"))
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request")
     p.add_argument("--prompt-len", type=int, default=16, help="batch-64 prompt tokens")
     p.add_argument(
@@ -154,7 +167,7 @@ def parse_formats(text: str, model: str) -> list[str]:
     formats = [f.strip() for f in text.split(",") if f.strip()]
     if not formats or any(f not in FORMATS for f in formats):
         raise ValueError(f"--formats: choose from {', '.join(FORMATS)}; got {text!r}")
-    if "awq" in formats and model.startswith("random:"):
+    if any(f.startswith("awq") for f in formats) and model.startswith("random:"):
         raise ValueError("--formats: awq needs real weights (the embedded model's checkpoint)")
     return formats
 
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every format's engine at once, then timing rounds that take the formats in turn: the
     # host's speed drifts by 15-25 % over minutes, and run one after the other, the formats
     # measured later got whatever the host was doing then.
-    configs = [config.replace(quantization=f) for f in formats]
+    configs = [config.replace(**format_fields(f)) for f in formats]
     engines = [load(c, args.prompt_len) for c in configs]
     rounds: list[list[dict]] = [[] for _ in formats]
     for _ in range(args.rounds):
@@ -192,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     report = {
         "model": config.model,
-        "config": config_report(config.replace(quantization="none")),
+        "config": config_report(config.replace(quantization="none", int8_activations=False)),
         "workload": {
             "output_len": args.output_len,
             "batch1_requests": 3,

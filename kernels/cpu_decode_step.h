@@ -31,12 +31,14 @@ struct Linear {
   torch::Tensor params;  // int8: per-row scales; int4: scale_and_zero; bf16: unused
   int64_t address = 0;   // packed bf16: the buffer's data (torch.ops.mkldnn.data_ptr)
   int64_t out_features = 0, in_features = 0, group_size = 0;
+  int64_t int8_activations_min_rows = 0;  // int4: int4_linear's switch to int8 activations
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case Kind::PackedBf16: return packed_bf16_linear(x, address, out_features, in_features);
       case Kind::Int8: return int8_linear(x, weight, params);
-      case Kind::Int4: return int4_linear(x, weight, params, group_size);
+      case Kind::Int4:
+        return int4_linear(x, weight, params, group_size, int8_activations_min_rows);
     }
     TORCH_CHECK(false, "unknown linear kind");
   }
@@ -50,9 +52,11 @@ inline Linear int8_call(torch::Tensor qweight, torch::Tensor scales) {
   const int64_t n = qweight.size(0), k = qweight.size(1);
   return {Linear::Kind::Int8, std::move(qweight), std::move(scales), 0, n, k};
 }
-inline Linear int4_call(torch::Tensor packed, torch::Tensor scale_and_zero, int64_t group_size) {
+inline Linear int4_call(torch::Tensor packed, torch::Tensor scale_and_zero, int64_t group_size,
+                        int64_t int8_activations_min_rows) {
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
-  return {Linear::Kind::Int4, std::move(packed), std::move(scale_and_zero), 0, n, k, group_size};
+  return {Linear::Kind::Int4, std::move(packed), std::move(scale_and_zero), 0, n, k, group_size,
+          int8_activations_min_rows};
 }
 
 struct Layer {

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu_int4_linear.h"
+#include "cpu_int8_act_linear.h"
 #include "cpu_int8_rows.h"
 #include "cpu_amx_linear.h"  // after the two above: it reuses their pair builders
 #include "cpu_simd.h"
@@ -758,8 +759,19 @@ bool has_int4_linear() {
 #endif
 }
 
+// True where this build has the W4A8 kernel (cpu_int8_act_linear.h: AVX512-VNNI, BW, VBMI).
+bool has_int8_act_linear() {
+#if defined(CPU_INT8_ACT_LINEAR)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// int8_activations_min_rows: from this many rows (0: never) x is quantized to int8 per group
+// and multiplied with vpdpbusd (cpu_int8_act_linear.h) where this CPU has it.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_and_zero,
-                          int64_t group_size) {
+                          int64_t group_size, int64_t int8_activations_min_rows) {
   TORCH_CHECK_VALUE(has_int4_linear(), "int4_linear: this CPU lacks AVX512-BF16 or AVX512-VBMI");
   check_rows("x", x, true);
   TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16, "x: bfloat16 expected, got ",
@@ -773,6 +785,14 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                     "scale_and_zero: contiguous bfloat16 [K/G, N, 2] expected, got ",
                     scale_and_zero.scalar_type(), " ", scale_and_zero.sizes());
   torch::Tensor out = at::empty({M, N}, x.options());
+#if defined(CPU_INT8_ACT_LINEAR)
+  if (int8_activations_min_rows > 0 && M >= int8_activations_min_rows && group_size % 16 == 0) {
+    cpu_int8_act_linear::linear_int4(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                                     M, K, packed.data_ptr<uint8_t>(),
+                                     scale_and_zero.data_ptr<c10::BFloat16>(), N, group_size);
+    return out;
+  }
+#endif
 #if defined(CPU_AMX_LINEAR)
   if (M >= AMX_INT4_MIN_ROWS && K % cpu_amx_linear::K_STEP == 0 && group_size % 2 == 0 &&
       cpu_amx_linear::tiles_permitted()) {
@@ -826,7 +846,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether int8_linear, int4_linear and packed_bf16_linear multiply many bfloat16 rows "
         "with AMX tiles here");
   m.def("int4_linear", &int4_linear,
-        "x (bfloat16) @ W.T for few rows, W int4 in kernels/int4_pack.py's 64-row blocks");
+        "x (bfloat16) @ W.T for few rows, W int4 in kernels/int4_pack.py's 64-row blocks",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale_and_zero"),
+        pybind11::arg("group_size"), pybind11::arg("int8_activations_min_rows") = 0);
+  m.def("has_int8_act_linear", &has_int8_act_linear,
+        "whether int4_linear can take int8 activations (AVX512-VNNI) here");
   m.def("packed_bf16_linear", &packed_bf16_linear,
         "x @ W.T for few rows, W bfloat16 in oneDNN's 64-row, pairs-of-inputs packed layout");
   namespace step = cpu_decode_step;
@@ -834,7 +858,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                  "a linear layer's few-row kernel with its weights, for DecodeStep");
   m.def("packed_bf16_call", &step::packed_bf16_call, "packed_bf16_linear's weights as a StepLinear");
   m.def("int8_call", &step::int8_call, "int8_linear's weights as a StepLinear");
-  m.def("int4_call", &step::int4_call, "int4_linear's weights as a StepLinear");
+  m.def("int4_call", &step::int4_call, "int4_linear's weights as a StepLinear",
+        pybind11::arg("packed"), pybind11::arg("scale_and_zero"), pybind11::arg("group_size"),
+        pybind11::arg("int8_activations_min_rows") = 0);
   pybind11::class_<step::DecodeStep>(m, "DecodeStep",
                                      "a decoder pass of few rows in one call (cpu_decode_step.h)")
       .def(pybind11::init<const pybind11::capsule&, int64_t, int64_t, int64_t, double,

@@ -100,10 +100,21 @@ def int4_linear(
     packed: torch.Tensor,  # uint8 [N, K/2], kernels/int4_pack.py's layout, N % 64 == 0
     scale_and_zero: torch.Tensor,  # bfloat16 [K/G, N, 2] = (s, zf), w = (q - 8) * s + zf
     group_size: int,
+    int8_activations_min_rows: int = 0,
 ) -> torch.Tensor:
     """x @ W.T for decode's few rows with W int4 (cpu_int4_linear.h; CPUs with AVX512-BF16
-    and VBMI: has_int4_linear()), float32 accumulation, bfloat16 out."""
-    return load_extension().int4_linear(x, packed, scale_and_zero, group_size)
+    and VBMI: has_int4_linear()), float32 accumulation, bfloat16 out. From
+    `int8_activations_min_rows` rows (0: never) x is quantized to int8 per group and multiplied
+    with integer dot products (cpu_int8_act_linear.h, W4A8) where has_int8_act_linear()."""
+    return load_extension().int4_linear(
+        x, packed, scale_and_zero, group_size, int8_activations_min_rows
+    )
+
+
+def has_int8_act_linear() -> bool:
+    """Whether int4_linear can quantize many rows of x to int8 and multiply with AVX512-VNNI
+    (cpu_int8_act_linear.h: CPUs with AVX512-VNNI, BW and VBMI)."""
+    return load_extension().has_int8_act_linear()
 
 
 def has_int8_rows_linear() -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.runner.quant.apply import INT8_ACTIVATIONS_MIN_ROWS
 from engine.telemetry.cost import ModelShape
 
 
@@ -110,6 +111,11 @@ def weight_format_text(config: EngineConfig, dtype: str) -> str:
             f"{config.quantization_group_size} inputs) in every linear layer"
         )
         head = "int4"
+    if config.int8_activations:  # kernels/cpu_int8_act_linear.h
+        kind += (
+            f" (activations rounded to int8 per group from {INT8_ACTIVATIONS_MIN_ROWS} rows on "
+            "CPUs with AVX512-VNNI: W4A8)"
+        )
     if config.quantize_lm_head:
         return (
             f"matmul weights {kind}, LM head {head}; the embedding, norms and biases stay {dtype}"

@@ -23,7 +23,10 @@ CLIS = {
         spec.build_parser,
         {"seed", "speculative_method", "speculative_quantization", "max_num_seqs"},
     ),
-    "benchmarks.quant": (quant.build_parser, {"seed", "quantization", "max_num_seqs"}),
+    "benchmarks.quant": (
+        quant.build_parser,
+        {"seed", "quantization", "int8_activations", "max_num_seqs"},
+    ),
     "benchmarks.batch1": (batch1.build_parser, {"seed"}),
     "benchmarks.kv_quant": (
         kv_quant.build_parser,

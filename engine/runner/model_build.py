@@ -7,6 +7,7 @@ both load any spec the loader takes in the same way.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,9 +23,12 @@ from engine.runner.quant.apply import (
     CPU_FUSED_DEQUANT_MIN_ROWS,
     CPU_INT4_KERNEL_DEQUANT_MIN_ROWS,
     CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS,
+    INT8_ACTIVATIONS_MIN_ROWS,
 )
 from engine.runner.quant.awq import check_awq_config
 from engine.runner.quant.linear import Int4Linear, Int8Linear, QuantLinear
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class WeightFormat:
     group_size: int  # int4: input features per scale/zero pair
     seed: int  # random:<preset> weights
     quantize_lm_head: bool = True  # quantized formats: the LM head too (awq: RTN int4)
+    int8_activations: bool = False  # int4/awq: W4A8 from INT8_ACTIVATIONS_MIN_ROWS (CPU)
 
 
 def build_model(
@@ -65,7 +70,7 @@ def build_model(
             model, iter_safetensors(source.weights_dir), group_size, dtype, fmt.quantize_lm_head
         )
         model.init_rope()
-        summary = _share_cpu_kernels(model, ops, summary)
+        summary = _share_cpu_kernels(model, ops, summary, fmt.int8_activations)
         return model.eval().requires_grad_(False), summary
     if source.weights_dir is None:
         init_random_weights(model, seed=fmt.seed)
@@ -78,14 +83,18 @@ def build_model(
         summary = quantize_model(
             model, fmt.quantization, fmt.group_size, dtype, fmt.quantize_lm_head
         )
-        summary = _share_cpu_kernels(model, ops, summary)
+        summary = _share_cpu_kernels(model, ops, summary, fmt.int8_activations)
     return model, summary
 
 
-def _share_cpu_kernels(model: LlamaForCausalLM, ops: TorchOps, summary: QuantSummary):
+def _share_cpu_kernels(
+    model: LlamaForCausalLM, ops: TorchOps, summary: QuantSummary, int8_activations: bool
+):
     """Quantized linears dequantize (many-rows path) with the fused ops' C++ extension when
     the model runs it (fused_ops=False stays the whole torch "before"). One pass instead of
-    ~8 moves the crossover from the weight-only kernel down to CPU_FUSED_DEQUANT_MIN_ROWS."""
+    ~8 moves the crossover from the weight-only kernel down to CPU_FUSED_DEQUANT_MIN_ROWS.
+    `int8_activations`: int4 layers take every row count in int4_linear, int8 activations from
+    INT8_ACTIVATIONS_MIN_ROWS, where this CPU has the W4A8 kernel (else a warning)."""
     if not isinstance(ops, CpuFusedOps):
         return summary
     # 0 stays 0: no weight-only kernel here (aten's int4 layout differs), always dequantize.
@@ -99,17 +108,31 @@ def _share_cpu_kernels(model: LlamaForCausalLM, ops: TorchOps, summary: QuantSum
     elif rows:
         int4_kernel_rows = CPU_INT4_KERNEL_DEQUANT_MIN_ROWS
         int8_kernel_rows = CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS
+    # With AMX the weight-only kernels multiply many rows with tiles, ahead of vpdpbusd.
+    w4a8 = int8_activations and not cpu_has_amx() and ops.kernels.has_int8_act_linear()
+    if int8_activations and not w4a8:
+        logger.warning(
+            "int8_activations: not used on this CPU (it has AMX tiles, or lacks AVX512-VNNI); "
+            "int4 stays weight-only"
+        )
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.use_cpu_kernels(ops.kernels)
             module.dequant_min_rows = rows
             if isinstance(module, Int4Linear) and module.bf16_kernel:
                 module.dequant_min_rows = int4_kernel_rows
+                if w4a8:
+                    module.use_int8_activations(INT8_ACTIVATIONS_MIN_ROWS)
             if isinstance(module, Int8Linear) and module.rows_kernel:
                 module.dequant_min_rows = int8_kernel_rows
     # The summary reports the decoder layers' switch (the first quantized layer's).
     first = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
-    return replace(summary, dequant_min_rows=first.dequant_min_rows if first else rows)
+    a8 = [m.int8_activations_min_rows for m in model.modules() if isinstance(m, Int4Linear)]
+    return replace(
+        summary,
+        dequant_min_rows=first.dequant_min_rows if first else rows,
+        int8_activations_min_rows=min(a8, default=0),
+    )
 
 
 def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:

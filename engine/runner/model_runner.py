@@ -148,7 +148,10 @@ class ModelRunner:
 
     def _load_model(self, source: ModelSource) -> LlamaForCausalLM:
         c = self.config
-        fmt = WeightFormat(c.quantization, c.quantization_group_size, c.seed, c.quantize_lm_head)
+        fmt = WeightFormat(
+            c.quantization, c.quantization_group_size, c.seed, c.quantize_lm_head,
+            c.int8_activations,
+        )  # fmt: skip
         model, self.quant_summary = build_model(
             source, self.max_model_len, self.attn_backend, self.device, self.dtype, fmt,
             self.layer_ops,

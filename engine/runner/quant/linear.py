@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from types import ModuleType
 
 import torch
@@ -208,6 +209,7 @@ class Int4Linear(QuantLinear):
         n, k = w.qweight.shape
         super().__init__(n, k, bias, scratch, dequant_min_rows)
         self.group_size = w.group_size
+        self.int8_activations_min_rows = 0  # use_int8_activations; 0 = weight-only
         self.register_buffer("packed", pack_int4(w.qweight))  # uint8 [N, K/2]
         # The kernel's convention: w = (q - 8) * s + zf, so zf = (8 - z) * s.
         zf = (8 - w.zeros.float()) * w.scales
@@ -245,6 +247,7 @@ class Int4Linear(QuantLinear):
         # The C++ few-rows kernel takes bfloat16 on CPUs with AVX512-BF16 and VBMI; float32
         # and float16 models (and other CPUs) keep aten's.
         self.few_rows = None
+        self.int8_activations_min_rows = 0
         if (
             self.cpu_kernels is not None
             and self.weight_only_kernel == "cpu"
@@ -257,12 +260,25 @@ class Int4Linear(QuantLinear):
             group_size = self.group_size
             self.few_rows = lambda x: kernel(x, packed, params, group_size)
 
+    def use_int8_activations(self, min_rows: int) -> None:
+        """From `min_rows` rows quantize x to int8 and multiply with integer dot products
+        (kernels/cpu_int8_act_linear.h, W4A8), at every row count through int4_linear: its
+        many-rows product is ahead of dequantize + GEMM too. Needs the bf16 kernel
+        (use_cpu_kernels first) and, in the extension, has_int8_act_linear()."""
+        if self.few_rows is None:
+            raise ValueError("int8_activations: this int4 layer has no CPU kernel bound")
+        self.int8_activations_min_rows = min_rows
+        self.dequant_min_rows = sys.maxsize  # every row count takes few_rows
+        kernel, packed, params = self.cpu_kernels.int4_linear, self.packed, self.scale_and_zero
+        group_size = self.group_size
+        self.few_rows = lambda x: kernel(x, packed, params, group_size, min_rows)
+
     def step_linear(self) -> object | None:
         """The few-row kernel's weights for the C++ decode step (decode_step.py), or None."""
         if self.few_rows is None:
             return None
         return self.cpu_kernels.load_extension().int4_call(
-            self.packed, self.scale_and_zero, self.group_size
+            self.packed, self.scale_and_zero, self.group_size, self.int8_activations_min_rows
         )
 
     def dequant_rows_mm(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""EngineConfig.int8_activations: the W4A8 kernel (kernels/cpu_int8_act_linear.h) against the
+exact arithmetic it promises, the row switch, and the engine's int4 layers running it (prompt
+log-probabilities close to the weight-only path's, but not equal: the int8 path ran)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.runner.models.prepack import cpu_has_amx
+from engine.runner.quant.apply import INT8_ACTIVATIONS_MIN_ROWS
+from engine.runner.quant.linear import Int4Linear
+from kernels import cpu_fused_ops
+from kernels.int4_pack import pack_int4
+
+
+def _w4a8_kernel() -> None:
+    if cpu_fused_ops.cpu_fused_ops_status() is not None:
+        pytest.skip("the C++ kernels are unavailable (no compiler)")
+    if not (cpu_fused_ops.has_int4_linear() and cpu_fused_ops.has_int8_act_linear()):
+        pytest.skip("the W4A8 kernel needs AVX512-VNNI, BW and VBMI (and the bf16 int4 kernel)")
+
+
+def _int4_weight(n: int, k: int, group: int, gen: torch.Generator):
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    s = torch.rand(k // group, n, generator=gen) * 0.02 + 0.001
+    zf = torch.randn(k // group, n, generator=gen) * 0.05
+    scale_and_zero = torch.stack([s, zf], dim=-1).bfloat16().contiguous()
+    params = scale_and_zero.double()
+    w = (q.double().view(n, k // group, group) - 8) * params[..., 0].t()[..., None]
+    w = (w + params[..., 1].t()[..., None]).view(n, k)  # (q - 8) * s + zf
+    return pack_int4(q), scale_and_zero, w
+
+
+def _int8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the kernel multiplies it: per row and group, round(x / a) * a with a = max|x| / 127
+    (round half to even, as vcvtps2dq), in float64."""
+    m, k = x.shape
+    xg = x.double().view(m, k // group, group)
+    a = (xg.abs().amax(-1, keepdim=True).float() / 127).double()  # float32 in the kernel
+    q = torch.round(xg.float() * torch.where(a > 0, 1 / a.float(), 0)).double()
+    return (q * a).view(m, k)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "group"),
+    # tiles of 4 rows and the 1-3 row tails; groups 32-128; SmolLM2's 576 and 1536 inputs;
+    # several 64-row blocks per thread (the next block's prefetch).
+    [(16, 64, 64, 32), (17, 576, 576, 64), (18, 960, 576, 64), (19, 128, 1536, 128),
+     (64, 3072, 576, 64), (33, 192, 1536, 32)],
+)  # fmt: skip
+def test_w4a8_matches_its_int8_rows_times_the_weight(rows, n, k, group):
+    """Above the switch: x quantized per group, times the int4 weight, exactly in int32 and
+    then scaled; the reference (float64) differs by float32 epilogue sums and the bf16 out."""
+    _w4a8_kernel()
+    gen = torch.Generator().manual_seed(rows * 131 + n + k + group)
+    packed, scale_and_zero, w = _int4_weight(n, k, group, gen)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x[0, :group] = 0  # an all-zero group: scale 0, no NaN
+    out = cpu_fused_ops.int4_linear(x, packed, scale_and_zero, group, 16)
+    ref = _int8_rows(x, group) @ w.T
+    tol = 1e-2 * ref.abs().max().item()  # ~2 bf16 steps of the largest output
+    assert (out.double() - ref).abs().max().item() < tol
+    # And what it costs against the bf16 activations (the weight-only product): ~0.6% here.
+    exact = x.double() @ w.T
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02
+
+
+def test_below_the_switch_the_weight_only_kernel_runs():
+    _w4a8_kernel()
+    gen = torch.Generator().manual_seed(7)
+    packed, scale_and_zero, _ = _int4_weight(192, 576, 64, gen)
+    for rows in (1, 4, 15):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        a8 = cpu_fused_ops.int4_linear(x, packed, scale_and_zero, 64, 16)
+        assert torch.equal(a8, cpu_fused_ops.int4_linear(x, packed, scale_and_zero, 64))
+    x = torch.randn(16, 576, generator=gen).bfloat16()
+    a8 = cpu_fused_ops.int4_linear(x, packed, scale_and_zero, 64, 16)
+    assert not torch.equal(a8, cpu_fused_ops.int4_linear(x, packed, scale_and_zero, 64))
+
+
+def test_config_needs_an_int4_format():
+    EngineConfig(quantization="int4", int8_activations=True)
+    EngineConfig(quantization="awq", int8_activations=True)
+    for quantization in ("none", "int8"):
+        with pytest.raises(ValueError, match="int8_activations: needs quantization='int4'"):
+            EngineConfig(quantization=quantization, int8_activations=True)
+
+
+ENGINE = dict(
+    model="random:tiny", dtype="bfloat16", max_model_len=128, num_kv_blocks=48, block_size=8,
+    quantization="int4", quantization_group_size=32, fused_ops=True,
+)  # fmt: skip
+PROMPT = [(37 * i) % 900 + 3 for i in range(40)]  # 40 tokens: a prefill of many rows
+SCORE = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+
+def test_engine_int4_layers_run_int8_activations():
+    _w4a8_kernel()
+    if cpu_has_amx():
+        pytest.skip("with AMX tiles the weight-only kernels stay (int8_activations warns)")
+    weight_only = LLM(**ENGINE)
+    a8 = LLM(**ENGINE, int8_activations=True)
+    assert a8.engine.runner.quant_summary.int8_activations_min_rows == INT8_ACTIVATIONS_MIN_ROWS
+    assert weight_only.engine.runner.quant_summary.int8_activations_min_rows == 0
+    layers = [m for m in a8.engine.runner.model.modules() if isinstance(m, Int4Linear)]
+    assert all(m.int8_activations_min_rows == INT8_ACTIVATIONS_MIN_ROWS for m in layers)
+
+    def prompt_logprobs(llm: LLM) -> torch.Tensor:
+        out = llm.generate([PROMPT], SCORE)[0]
+        return torch.tensor([lp.logprob for lp in out.prompt_logprobs if lp])
+
+    ref, got = prompt_logprobs(weight_only), prompt_logprobs(a8)
+    assert got.shape == ref.shape and not torch.equal(got, ref)  # the int8 path ran
+    assert (got - ref).abs().mean().item() < 0.1 * ref.abs().mean().item()
+    # Below the switch (an 8-token prefill, then batch-1 decode) the weight-only kernel runs
+    # in both engines: the same greedy tokens.
+    few = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    short = PROMPT[:8]  # 8 rows: below the switch everywhere
+    assert a8.generate([short], few)[0].token_ids == weight_only.generate([short], few)[0].token_ids
