@@ -107,6 +107,27 @@ def test_lm_head_preset_sets_the_weight_toggles_of_both_sides(page):
     expect(head.nth(0)).to_be_checked()
 
 
+def test_int8_activations_preset_ticks_side_bs_toggle(page):
+    """The int8-activations toggle is in both side forms: the W4A8 preset sets int4 on both
+    and ticks B's; the next preset unticks it."""
+    open_tab(page, "Compare")
+    int4 = [page.locator(f"#compare-{s}-weights").get_by_label("int4", exact=True)
+            for s in ("a", "b")]  # fmt: skip
+    a8 = page.locator("#tab-compare").get_by_label("int4 / awq: int8 activations from 12 rows")
+    expect(a8.nth(0)).not_to_be_checked()
+    expect(a8.nth(1)).not_to_be_checked()
+    _pick(
+        page, "tab-compare", "Preset", "int4 weights: bf16 vs int8 activations (W4A8), 32 requests"
+    )
+    expect(int4[0]).to_be_checked()
+    expect(int4[1]).to_be_checked()
+    expect(a8.nth(0)).not_to_be_checked()
+    expect(a8.nth(1)).to_be_checked()
+    expect(page.locator("#compare-headline")).to_contain_text("Output token throughput")
+    _pick(page, "tab-compare", "Preset", STATIC)
+    expect(a8.nth(1)).not_to_be_checked()
+
+
 def test_stop_in_the_load_test_reports_the_aborted_requests(page):
     open_tab(page, "Load test")
     tab = page.locator("#tab-loadtest")

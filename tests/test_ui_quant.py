@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+import pytest
+
 from engine import EngineConfig
 from engine.runner.models.presets import MODEL_PRESETS
 from engine.telemetry.cost import ModelShape
@@ -14,6 +16,7 @@ from playground.engine_info import EngineInfo, describe
 from playground.handlers.compare import SideOutcome, compare_rows
 from playground.handlers.compare_engine import (
     AWQ_PRESET,
+    INT8_ACTIVATIONS_PRESET,
     LM_HEAD_PRESET,
     PRESET_DEFAULTS,
     PRESETS,
@@ -104,6 +107,25 @@ def test_quantization_presets_and_side_configs():
     assert not side_config(base, a, 1024, 256, head_dim=64).quantize_lm_head
     assert side_config(base, b, 1024, 256, head_dim=64).quantize_lm_head
     assert side_label("A", a, b) == "A: quantize_lm_head=False"
+
+
+def test_int8_activations_preset_side_configs_and_header():
+    form = preset_form(INT8_ACTIVATIONS_PRESET)
+    a, b = form["A"], form["B"]
+    assert a["quantization"] == b["quantization"] == "int4"
+    assert (a["int8_activations"], b["int8_activations"]) == (False, True)
+    assert a["max_num_seqs"] == b["max_num_seqs"] == 32 == form["workload"]["num_prompts"]
+    base = EngineConfig(model="random:tiny")
+    assert side_config(base, b, 1024, 256, head_dim=64).int8_activations
+    assert not side_config(base, a, 1024, 256, head_dim=64).int8_activations
+    assert side_label("B", b, a) == "B: int8_activations=True"
+    other = preset_form("max_num_seqs 2 vs 8")
+    assert not other["A"]["int8_activations"] and not other["B"]["int8_activations"]
+    with pytest.raises(ValueError, match="int8_activations: needs quantization='int4'"):
+        side_config(base, {**a, "quantization": "none", "int8_activations": True}, 1024, 256,
+                    head_dim=64)  # fmt: skip
+    header = describe(_info(EngineConfig(quantization="int4", int8_activations=True)))
+    assert "(activations rounded to int8 per group from 12 rows on CPUs with AVX512-VNNI" in header
 
 
 def test_info_fields_are_what_engine_info_reads():

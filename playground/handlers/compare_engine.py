@@ -38,6 +38,7 @@ SIDE_FIELDS = (
     "max_num_batched_tokens",
     "quantization",
     "quantize_lm_head",
+    "int8_activations",
     "prepack_weights",
     "fused_ops",
     "enforce_eager",
@@ -55,6 +56,7 @@ DEFAULT_SIDE: dict[str, Any] = {
     "max_num_batched_tokens": 256,
     "quantization": "none",
     "quantize_lm_head": True,
+    "int8_activations": False,
     "prepack_weights": True,
     "fused_ops": True,
     "enforce_eager": False,
@@ -69,6 +71,7 @@ N_SHARING_PRESET = "n=4 with vs without prompt sharing"
 AWQ_PRESET = "int4 RTN vs AWQ weights (after bf16 vs int4)"
 LM_HEAD_PRESET = "AWQ weights: LM head 16-bit vs int4"
 DRAFT_PRESET = "speculative decoding off vs draft model"
+INT8_ACTIVATIONS_PRESET = "int4 weights: bf16 vs int8 activations (W4A8), 32 requests"
 # speculative_method="draft" in the side forms: the target's own weights in int8 drafts (in
 # benchmarks.spec's chat runs the int8 copy was accepted 85-96 % per position, int4 31-68 %).
 COMPARE_DRAFT_QUANTIZATION = "int8"
@@ -117,6 +120,12 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     LM_HEAD_PRESET: (
         {"quantization": "awq", "quantize_lm_head": False, "max_num_seqs": 1},
         {"quantization": "awq", "quantize_lm_head": True, "max_num_seqs": 1},
+    ),
+    # CPU (AVX512-VNNI): from 12 rows each int4 layer's input is rounded to int8 and multiplied
+    # with integer dot products; a batch of 32 decodes, and every prefill, takes that path.
+    INT8_ACTIVATIONS_PRESET: (
+        {"quantization": "int4", "int8_activations": False, "max_num_seqs": 32},
+        {"quantization": "int4", "int8_activations": True, "max_num_seqs": 32},
     ),
     # CPU: oneDNN's per-call weight reorder is the larger share of a matmul at batch 1.
     PREPACK_PRESET: (
@@ -273,6 +282,20 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # One request at a time: the head's bytes are a share of every step's read; the perplexity
     # and same-tokens rows show what the 4-bit head costs.
     LM_HEAD_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    # 32 requests at once: every decode step multiplies 32 rows per layer, past the 12-row
+    # switch, where the int8 products run twice the multiply-adds per instruction. Measured by
+    # benchmarks.quant at batch 64 (docs/measurements/quantization.md): decode x1.18 (int4);
+    # the perplexity and same-tokens rows show the activations' rounding.
+    INT8_ACTIVATIONS_PRESET: PresetDefaults(
+        "Output token throughput (tok/s)",
+        {
+            "num_prompts": 32,
+            "input_kind": "fixed",
+            "input_mean": 32,
+            "output_kind": "fixed",
+            "output_mean": 32,
+        },
+    ),
     # The same workload: one request at a time, so each decode matmul has one row and the
     # weight reorder oneDNN does per call is most of it. "Same tokens as A" shows that
     # prepacking changes no number. (On a GPU or in float32 both sides run the same path.)
@@ -402,6 +425,7 @@ def side_config(
     return base.with_kv_cache_dtype(kv_cache_dtype).replace(
         quantization=side.get("quantization", "none"),
         quantize_lm_head=bool(side.get("quantize_lm_head", True)),
+        int8_activations=bool(side.get("int8_activations", False)),
         batching=side["batching"],
         kv_layout=side["kv_layout"],
         enable_prefix_caching=prefix_caching,

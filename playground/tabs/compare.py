@@ -107,6 +107,11 @@ def _side_form(name: str, values: dict) -> dict:
         label="Quantized weights: the LM head too (int8 / int4; awq: int4 round-to-nearest, "
         "as AutoAWQ leaves it 16-bit)",
     )
+    parts["int8_activations"] = gr.Checkbox(
+        value=values["int8_activations"],
+        label="int4 / awq: int8 activations from 12 rows (W4A8: batched decode and prefill "
+        "multiply bytes with AVX512-VNNI; batch-1 decode stays weight-only)",
+    )
     parts["prepack_weights"] = gr.Checkbox(
         value=values["prepack_weights"],
         label="Prepacked weights (CPU, bf16: reordered for oneDNN once at load, not per matmul)",
