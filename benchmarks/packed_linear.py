@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     paths = ["kernel", "onednn"]
     if args.quantized:  # int4_linear needs AVX512-BF16 and VBMI (aten's kernel serves elsewhere)
         paths += ["int8", "int4"] if cpu_fused_ops.has_int4_linear() else ["int8"]
-        if cpu_fused_ops.has_int4_linear() and cpu_fused_ops.has_int8_act_linear():
-            paths.append("int4_a8")  # int8 activations from 1 row: where W4A8 overtakes W4A16
+        if cpu_fused_ops.has_int8_act_linear():  # int8 activations from 1 row (W8A8, W4A8)
+            paths += ["int8_a8", "int4_a8"] if cpu_fused_ops.has_int4_linear() else ["int8_a8"]
 
     def pass_of(rows: int, path: str) -> Callable[[], float]:
         xs = {
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
             ),
             "int8": lambda x, w: cpu_fused_ops.int8_linear(x, w["q8"], w["s8"]),
             "int4": lambda x, w: cpu_fused_ops.int4_linear(x, w["p4"], w["sz4"], INT4_GROUP),
+            "int8_a8": lambda x, w: cpu_fused_ops.int8_linear(x, w["q8"], w["s8"], 1),
             "int4_a8": lambda x, w: cpu_fused_ops.int4_linear(x, w["p4"], w["sz4"], INT4_GROUP, 1),
         }
         call = calls[path]

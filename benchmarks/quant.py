@@ -1,5 +1,5 @@
-"""Quantization benchmark: none vs int8 vs int4 vs awq (and int4/awq with int8 activations,
-"+a8") on one model, in one run.
+"""Quantization benchmark: none vs int8 vs int4 vs awq (and each with int8 activations, "+a8")
+on one model, in one run.
 
     python -m benchmarks.quant                         # the embedded SmolLM2-135M, bfloat16
     python -m benchmarks.quant --quantization-group-size 32 --output-len 16
@@ -39,8 +39,9 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 
-# "+a8": the same weights with int8_activations (W4A8 from 12 rows, CPUs with AVX512-VNNI).
-FORMATS = ("none", "int8", "int4", "awq", "int4+a8", "awq+a8")
+# "+a8": the same weights with int8_activations (W8A8 / W4A8 from a few rows, CPUs with
+# AVX512-VNNI).
+FORMATS = ("none", "int8", "int4", "awq", "int8+a8", "int4+a8", "awq+a8")
 
 
 def format_fields(name: str) -> dict:
@@ -113,7 +114,7 @@ def describe(llm: LLM, config: EngineConfig, rounds: list[dict], output_len: int
 
     return {
         "quantization": config.quantization,
-        # int4/awq: W4A8 from this many rows (0: weight-only; int8_activations=False, or this
+        # W8A8 / W4A8 from this many rows (0: weight-only; int8_activations=False, or this
         # CPU lacks the kernel)
         "int8_activations_min_rows": summary.int8_activations_min_rows if summary else 0,
         "group_size": summary.group_size if summary else None,

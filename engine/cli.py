@@ -60,9 +60,9 @@ FLAG_HELP: dict[str, str] = {
     "quantization": "weight-only: int8 per output channel (W8A16) or int4 round-to-nearest per "
     "group, every linear layer and the LM head (embeddings and norms stay 16-bit); awq: load "
     "an AutoAWQ GEMM checkpoint folder",
-    "int8_activations": "int4/awq on CPUs with AVX512-VNNI: quantize each layer's input to int8 "
-    "per group from 12 rows (batched decode, prefill) and multiply with integer dot products "
-    "(W4A8); batch-1 decode keeps the weight-only kernel",
+    "int8_activations": "quantized weights on CPUs with AVX512-VNNI: quantize each layer's "
+    "input to int8 per group from a few rows (int8: 4, int4/awq: 12; batched decode, prefill) and "
+    "multiply with integer dot products (W8A8 / W4A8); batch-1 decode keeps the weight-only kernel",
     "quantization_group_size": "int4: input features per scale/zero pair (must divide every "
     "layer's input size: SmolLM2's 576 takes 32 or 64)",
     "quantize_lm_head": "quantized weights: the LM head too (awq: int4 round-to-nearest at the "

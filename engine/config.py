@@ -97,11 +97,11 @@ class EngineConfig:
     # their own format; awq as int4 round-to-nearest at the checkpoint's group size (AutoAWQ
     # leaves it 16-bit). False keeps it 16-bit, as vLLM loads AWQ checkpoints.
     quantize_lm_head: bool = True
-    # int4/awq on CPU: from INT8_ACTIVATIONS_MIN_ROWS rows (batched decode, prefill) quantize
-    # each layer's input to int8 per weight group and multiply with integer dot products (W4A8,
-    # kernels/cpu_int8_act_linear.h, CPUs with AVX512-VNNI): past the tie with bf16 that
-    # weight-only products reach there, for a small rounding of the activations. Few rows
-    # (batch-1 decode) keep the weight-only kernels either way.
+    # Quantized weights on CPU: from a few rows (int8: 4, int4/awq: 12; batched decode, prefill)
+    # quantize each layer's input to int8 per group and multiply with integer dot products
+    # (W8A8 / W4A8, kernels/cpu_int8_act_linear.h, CPUs with AVX512-VNNI): past the tie with
+    # bf16 that weight-only products reach at many rows, for a small rounding of the
+    # activations. Batch-1 decode keeps the weight-only kernels either way.
     int8_activations: bool = False
 
     # --- execution ---
@@ -149,10 +149,10 @@ class EngineConfig:
                 "quantization_group_size: must be one of "
                 f"{', '.join(map(str, INT4_GROUP_SIZES))}; got {self.quantization_group_size!r}"
             )
-        if self.int8_activations and self.quantization not in ("int4", "awq"):
+        if self.int8_activations and self.quantization == "none":
             raise ValueError(
-                "int8_activations: needs quantization='int4' or 'awq' (the W4A8 kernel), got "
-                f"quantization={self.quantization!r}"
+                "int8_activations: needs quantized weights (quantization='int8', 'int4' or "
+                "'awq': the W8A8 / W4A8 kernels)"
             )
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)

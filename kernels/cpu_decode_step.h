@@ -31,12 +31,12 @@ struct Linear {
   torch::Tensor params;  // int8: per-row scales; int4: scale_and_zero; bf16: unused
   int64_t address = 0;   // packed bf16: the buffer's data (torch.ops.mkldnn.data_ptr)
   int64_t out_features = 0, in_features = 0, group_size = 0;
-  int64_t int8_activations_min_rows = 0;  // int4: int4_linear's switch to int8 activations
+  int64_t int8_activations_min_rows = 0;  // int8/int4: the switch to int8 activations
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case Kind::PackedBf16: return packed_bf16_linear(x, address, out_features, in_features);
-      case Kind::Int8: return int8_linear(x, weight, params);
+      case Kind::Int8: return int8_linear(x, weight, params, int8_activations_min_rows);
       case Kind::Int4:
         return int4_linear(x, weight, params, group_size, int8_activations_min_rows);
     }
@@ -48,9 +48,11 @@ inline Linear packed_bf16_call(torch::Tensor packed, int64_t address, int64_t ou
                         int64_t in_features) {
   return {Linear::Kind::PackedBf16, std::move(packed), {}, address, out_features, in_features};
 }
-inline Linear int8_call(torch::Tensor qweight, torch::Tensor scales) {
+inline Linear int8_call(torch::Tensor qweight, torch::Tensor scales,
+                        int64_t int8_activations_min_rows) {
   const int64_t n = qweight.size(0), k = qweight.size(1);
-  return {Linear::Kind::Int8, std::move(qweight), std::move(scales), 0, n, k};
+  return {Linear::Kind::Int8, std::move(qweight), std::move(scales), 0, n, k, 0,
+          int8_activations_min_rows};
 }
 inline Linear int4_call(torch::Tensor packed, torch::Tensor scale_and_zero, int64_t group_size,
                         int64_t int8_activations_min_rows) {

@@ -690,7 +690,10 @@ void dequant_int8(torch::Tensor w, torch::Tensor qweight, torch::Tensor scales) 
 
 // The few-row products allocate their output here: a torch.empty in Python costs ~1 us, a
 // tenth of a small layer's call at batch 1.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
+// int8_activations_min_rows: as int4_linear's (cpu_int8_act_linear.h, W8A8), for bfloat16 x
+// with N and K multiples of 64.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                          int64_t int8_activations_min_rows) {
   check_rows("x", x, true);
   TORCH_CHECK_VALUE(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar &&
                         qweight.dim() == 2 && qweight.is_contiguous() &&
@@ -703,6 +706,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                     "scales: contiguous [N] of x's dtype expected, got ", scales.scalar_type(),
                     " ", scales.sizes());
   torch::Tensor out = at::empty({x.size(0), qweight.size(0)}, x.options());
+#if defined(CPU_INT8_ACT_LINEAR)
+  if (int8_activations_min_rows > 0 && x.size(0) >= int8_activations_min_rows &&
+      x.scalar_type() == at::kBFloat16 && qweight.size(0) % cpu_int8_act_linear::BLOCK_ROWS == 0 &&
+      x.size(1) % cpu_int8_act_linear::INT8_WEIGHT_ACT_GROUP == 0) {
+    cpu_int8_act_linear::linear_int8(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                                     x.size(0), x.size(1), qweight.data_ptr<int8_t>(),
+                                     scales.data_ptr<c10::BFloat16>(), qweight.size(0));
+    return out;
+  }
+#endif
 #if defined(CPU_AMX_LINEAR)
   if (x.scalar_type() == at::kBFloat16 && x.size(0) >= AMX_INT8_MIN_ROWS &&
       qweight.size(0) % cpu_amx_linear::TILE_ROWS == 0 &&
@@ -759,7 +772,8 @@ bool has_int4_linear() {
 #endif
 }
 
-// True where this build has the W4A8 kernel (cpu_int8_act_linear.h: AVX512-VNNI, BW, VBMI).
+// True where this build has the W8A8 / W4A8 kernels (cpu_int8_act_linear.h: AVX512-VNNI, BW,
+// VBMI).
 bool has_int8_act_linear() {
 #if defined(CPU_INT8_ACT_LINEAR)
   return true;
@@ -838,7 +852,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_argmax", &rows_argmax, "each row's first index of its max (NaN counts as the max)");
   m.def("dequant_int4", &dequant_int4, "int4 blocks -> the transposed 16/32-bit weight [K, rows]");
   m.def("dequant_int8", &dequant_int8, "int8 rows * per-row scales -> 16/32-bit rows");
-  m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-row scales).T for a few rows");
+  m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-row scales).T for a few rows",
+        pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"),
+        pybind11::arg("int8_activations_min_rows") = 0);
   m.def("has_int4_linear", &has_int4_linear, "whether int4_linear runs on this CPU");
   m.def("has_int8_rows_linear", &has_int8_rows_linear,
         "whether int8_linear multiplies many bfloat16 rows with cpu_int8_rows.h here");
@@ -850,14 +866,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale_and_zero"),
         pybind11::arg("group_size"), pybind11::arg("int8_activations_min_rows") = 0);
   m.def("has_int8_act_linear", &has_int8_act_linear,
-        "whether int4_linear can take int8 activations (AVX512-VNNI) here");
+        "whether int8_linear and int4_linear can take int8 activations (AVX512-VNNI) here");
   m.def("packed_bf16_linear", &packed_bf16_linear,
         "x @ W.T for few rows, W bfloat16 in oneDNN's 64-row, pairs-of-inputs packed layout");
   namespace step = cpu_decode_step;
   pybind11::class_<step::Linear>(m, "StepLinear",
                                  "a linear layer's few-row kernel with its weights, for DecodeStep");
   m.def("packed_bf16_call", &step::packed_bf16_call, "packed_bf16_linear's weights as a StepLinear");
-  m.def("int8_call", &step::int8_call, "int8_linear's weights as a StepLinear");
+  m.def("int8_call", &step::int8_call, "int8_linear's weights as a StepLinear",
+        pybind11::arg("qweight"), pybind11::arg("scales"),
+        pybind11::arg("int8_activations_min_rows") = 0);
   m.def("int4_call", &step::int4_call, "int4_linear's weights as a StepLinear",
         pybind11::arg("packed"), pybind11::arg("scale_and_zero"), pybind11::arg("group_size"),
         pybind11::arg("int8_activations_min_rows") = 0);

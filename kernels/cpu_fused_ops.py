@@ -88,11 +88,18 @@ def dequant_int4(
     return wt
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    int8_activations_min_rows: int = 0,
+) -> torch.Tensor:
     """x [M, K] @ (qweight (int8 [N, K], K % 16 == 0) * scales [N, None]).T, in x's dtype
     (scales in x's dtype too): W8A16, float32 accumulation. Decode's few rows; with
-    has_int8_rows_linear(), bfloat16 x, N % 16 == 0 and K % 32 == 0, also many rows."""
-    return load_extension().int8_linear(x, qweight, scales)
+    has_int8_rows_linear(), bfloat16 x, N % 16 == 0 and K % 32 == 0, also many rows. From
+    `int8_activations_min_rows` rows (0: never), bfloat16 x with N and K multiples of 64, x is
+    quantized to int8 per 64 inputs (cpu_int8_act_linear.h, W8A8) where has_int8_act_linear()."""
+    return load_extension().int8_linear(x, qweight, scales, int8_activations_min_rows)
 
 
 def int4_linear(
@@ -112,8 +119,8 @@ def int4_linear(
 
 
 def has_int8_act_linear() -> bool:
-    """Whether int4_linear can quantize many rows of x to int8 and multiply with AVX512-VNNI
-    (cpu_int8_act_linear.h: CPUs with AVX512-VNNI, BW and VBMI)."""
+    """Whether int8_linear and int4_linear can quantize many rows of x to int8 and multiply with
+    AVX512-VNNI (cpu_int8_act_linear.h: CPUs with AVX512-VNNI, BW and VBMI)."""
     return load_extension().has_int8_act_linear()
 
 

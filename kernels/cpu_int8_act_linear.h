@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace cpu_int8_act_linear {
@@ -228,25 +229,57 @@ inline void all_rows(const HalfBlock& b, const QuantizedRows& x, int64_t group, 
   }
 }
 
-// out [M, N] = x [M, K] @ W.T, W int4 in kernels/int4_pack.py's 64-row blocks (N % 64 == 0),
-// scale_and_zero [K/G, N, 2] (s, zf) bfloat16; G a multiple of 16. One parallel region: the
-// threads quantize x's rows, then (after the barrier) take equal runs of half blocks.
-inline void linear_int4(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
-                        const uint8_t* packed, const c10::BFloat16* scale_and_zero, int64_t N,
-                        int64_t group) {
-  // The calling thread's rows, grown and never shrunk; bound by reference here, since inside
-  // the parallel region the name of a thread_local would be each worker's own.
-  static thread_local QuantizedRows caller_rows;
-  QuantizedRows& xq = caller_rows;
-  xq.K = K;
-  xq.groups = K / group;
-  if (xq.xq.size() < size_t(M * K)) xq.xq.resize(size_t(M * K));
-  if (xq.scale.size() < size_t(M * xq.groups)) {
-    xq.scale.resize(size_t(M * xq.groups));
-    xq.sum.resize(size_t(M * xq.groups));
+// Half h of rows n0 .. n0 + 63 of an int8 weight q [N, K] (row-major) -> u = q + 128 (a sign
+// flip), by 16 x 16 transposes of 32-bit words (4 inputs of a row), with s = scale and
+// c = -128 scale, so that w = q scale = s u + c. Rows 16 h .. and 32 + 16 h .. as for int4.
+inline void unpack_int8_half(const int8_t* q, const c10::BFloat16* scales, int64_t K,
+                             int64_t groups, int h, HalfBlock& b) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int j = 0; j < 2; ++j) {
+    const int8_t* rows = q + (32 * j + 16 * h) * K;
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + i * K + k0);
+      cpu_simd::transpose16(r);  // r[i]: input word k0 / 4 + i of the 16 rows
+      for (int i = 0; i < 16; ++i) {
+        _mm512_store_si512(&b.u[size_t(2 * (k0 / 4 + i) + j)], _mm512_xor_si512(r[i], flip));
+      }
+    }
   }
-  const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
-  const int64_t items = 2 * (N / BLOCK_ROWS), block_bytes = BLOCK_ROWS * K / 2;
+  for (int r = 0; r < HALF_ROWS; ++r) {
+    const float scale = float(scales[(r / 16) * 32 + 16 * h + r % 16]);
+    for (int64_t g = 0; g < groups; ++g) {
+      b.s[size_t(g * HALF_ROWS + r)] = scale;
+      b.c[size_t(g * HALF_ROWS + r)] = -128.0f * scale;
+    }
+  }
+}
+
+// The calling thread's quantized rows, sized for x [M, K] in groups of `group` (grown, never
+// shrunk).
+inline QuantizedRows& caller_rows(int64_t M, int64_t K, int64_t group) {
+  static thread_local QuantizedRows rows;
+  rows.K = K;
+  rows.groups = K / group;
+  if (rows.xq.size() < size_t(M * K)) rows.xq.resize(size_t(M * K));
+  if (rows.scale.size() < size_t(M * rows.groups)) {
+    rows.scale.resize(size_t(M * rows.groups));
+    rows.sum.resize(size_t(M * rows.groups));
+  }
+  return rows;
+}
+
+// The shared driver: one parallel region in which the threads quantize x's rows, then (after
+// the barrier) take equal runs of the 2 N / 64 half blocks. unpack(n0, h, b) fills b;
+// ahead(item, end) gives the bytes worth requesting while the item is multiplied (pointer,
+// bytes; nullptr for none).
+template <typename Unpack, typename Ahead>
+void run_items(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
+               int64_t group, const Unpack& unpack, const Ahead& ahead) {
+  // Bound by reference here: inside the parallel region the name of a thread_local would be
+  // each worker's own.
+  QuantizedRows& xq = caller_rows(M, K, group);
+  const int64_t items = 2 * (N / BLOCK_ROWS);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
 #pragma omp for schedule(static)
@@ -258,12 +291,54 @@ inline void linear_int4(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, i
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n0 = item / 2 * BLOCK_ROWS;
       const int h = int(item % 2);
-      unpack_half(packed + n0 * K / 2, sz + n0, N, K, xq.groups, h, b);
-      const uint8_t* next = item + 1 < end ? packed + (item + 1) / 2 * block_bytes : nullptr;
-      // The other half of this block has its bytes in cache already: nothing to request.
-      all_rows(b, xq, group, M, out, N, n0, h, h == 0 ? nullptr : next, block_bytes);
+      unpack(n0, h, b);
+      const auto [next, next_bytes] = ahead(item, end);
+      all_rows(b, xq, group, M, out, N, n0, h, next, next_bytes);
     }
   }
+}
+
+// out [M, N] = x [M, K] @ W.T, W int4 in kernels/int4_pack.py's 64-row blocks (N % 64 == 0),
+// scale_and_zero [K/G, N, 2] (s, zf) bfloat16; G a multiple of 16.
+inline void linear_int4(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                        const uint8_t* packed, const c10::BFloat16* scale_and_zero, int64_t N,
+                        int64_t group) {
+  const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
+  const int64_t block_bytes = BLOCK_ROWS * K / 2, groups = K / group;
+  run_items(
+      out, x, M, K, N, group,
+      [&](int64_t n0, int h, HalfBlock& b) {
+        unpack_half(packed + n0 * K / 2, sz + n0, N, K, groups, h, b);
+      },
+      [&](int64_t item, int64_t end) {
+        // Both halves read the same bytes: during the second, request the next block's.
+        const bool next = item % 2 == 1 && item + 1 < end;
+        return std::pair<const void*, int64_t>(
+            next ? packed + (item + 1) / 2 * block_bytes : nullptr, block_bytes);
+      });
+}
+
+// Inputs per activation scale for int8 weights (their scale is per row: any group fits).
+constexpr int64_t INT8_WEIGHT_ACT_GROUP = 64;
+
+// out [M, N] = x [M, K] @ (q * scales).T; q int8 [N, K] row-major, N % 64 == 0 and
+// K % 64 == 0, scales bfloat16 [N].
+inline void linear_int8(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                        const int8_t* q, const c10::BFloat16* scales, int64_t N) {
+  const int64_t block_bytes = BLOCK_ROWS * K, groups = K / INT8_WEIGHT_ACT_GROUP;
+  run_items(
+      out, x, M, K, N, INT8_WEIGHT_ACT_GROUP,
+      [&](int64_t n0, int h, HalfBlock& b) {
+        unpack_int8_half(q + n0 * K, scales + n0, K, groups, h, b);
+      },
+      [&](int64_t item, int64_t end) {
+        // The halves read different rows of the block: during the first, request the whole
+        // block (the second half's rows); during the second, the next block.
+        const int64_t block = item / 2 + item % 2;
+        const bool any = item % 2 == 0 || item + 1 < end;
+        return std::pair<const void*, int64_t>(any ? q + block * block_bytes : nullptr,
+                                               block_bytes);
+      });
 }
 
 }  // namespace cpu_int8_act_linear

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.runner.quant.apply import INT8_ACTIVATIONS_MIN_ROWS
+from engine.runner.quant.apply import INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
 from engine.telemetry.cost import ModelShape
 
 
@@ -112,9 +112,14 @@ def weight_format_text(config: EngineConfig, dtype: str) -> str:
         )
         head = "int4"
     if config.int8_activations:  # kernels/cpu_int8_act_linear.h
+        rows = (
+            INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
+            if config.quantization == "int8"
+            else INT8_ACTIVATIONS_MIN_ROWS
+        )
         kind += (
-            f" (activations rounded to int8 per group from {INT8_ACTIVATIONS_MIN_ROWS} rows on "
-            "CPUs with AVX512-VNNI: W4A8)"
+            f" (activations rounded to int8 per group from {rows} rows on CPUs with "
+            f"AVX512-VNNI: W{8 if config.quantization == 'int8' else 4}A8)"
         )
     if config.quantize_lm_head:
         return (

@@ -113,7 +113,7 @@ def test_int8_activations_preset_ticks_side_bs_toggle(page):
     open_tab(page, "Compare")
     int4 = [page.locator(f"#compare-{s}-weights").get_by_label("int4", exact=True)
             for s in ("a", "b")]  # fmt: skip
-    a8 = page.locator("#tab-compare").get_by_label("int4 / awq: int8 activations from 12 rows")
+    a8 = page.locator("#tab-compare").get_by_label("Quantized weights: int8 activations")
     expect(a8.nth(0)).not_to_be_checked()
     expect(a8.nth(1)).not_to_be_checked()
     _pick(

@@ -1,6 +1,7 @@
-"""EngineConfig.int8_activations: the W4A8 kernel (kernels/cpu_int8_act_linear.h) against the
-exact arithmetic it promises, the row switch, and the engine's int4 layers running it (prompt
-log-probabilities close to the weight-only path's, but not equal: the int8 path ran)."""
+"""EngineConfig.int8_activations: the W8A8 / W4A8 kernels (kernels/cpu_int8_act_linear.h)
+against the exact arithmetic they promise, the row switch, and the engine's int8 and int4 layers
+running them (prompt log-probabilities close to the weight-only path's, but not equal: the int8
+path ran)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.runner.models.prepack import cpu_has_amx
-from engine.runner.quant.apply import INT8_ACTIVATIONS_MIN_ROWS
-from engine.runner.quant.linear import Int4Linear
+from engine.runner.quant.apply import (
+    INT8_ACTIVATIONS_MIN_ROWS,
+    INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
+)
+from engine.runner.quant.formats import quantize_int8
+from engine.runner.quant.linear import QuantLinear
 from kernels import cpu_fused_ops
 from kernels.int4_pack import pack_int4
 
@@ -67,6 +72,32 @@ def test_w4a8_matches_its_int8_rows_times_the_weight(rows, n, k, group):
     assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02
 
 
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    # tiles of 6 rows and their tails; SmolLM2's 576 / 1536 inputs; several blocks per thread.
+    [(4, 64, 64), (7, 576, 576), (17, 960, 576), (64, 3072, 576), (33, 576, 1536)],
+)
+def test_w8a8_matches_its_int8_rows_times_the_weight(rows, n, k):
+    """int8 weights: x quantized per 64 inputs times q (exact in int32), scaled per group and
+    by the row's scale."""
+    _w4a8_kernel()
+    gen = torch.Generator().manual_seed(rows * 17 + n + k)
+    w8 = quantize_int8(torch.randn(n, k, generator=gen) * 0.05)
+    scales = w8.scales.bfloat16()
+    w = w8.qweight.double() * scales.double()[:, None]
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x[-1, 64:128] = 0
+    out = cpu_fused_ops.int8_linear(x, w8.qweight, scales, 4)
+    ref = _int8_rows(x, 64) @ w.T
+    assert (out.double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
+    exact = x.double() @ w.T
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02
+    # Below the switch the weight-only kernel, bit for bit.
+    few = x[:3].contiguous()
+    weight_only = cpu_fused_ops.int8_linear(few, w8.qweight, scales)
+    assert torch.equal(cpu_fused_ops.int8_linear(few, w8.qweight, scales, 4), weight_only)
+
+
 def test_below_the_switch_the_weight_only_kernel_runs():
     _w4a8_kernel()
     gen = torch.Generator().manual_seed(7)
@@ -80,32 +111,34 @@ def test_below_the_switch_the_weight_only_kernel_runs():
     assert not torch.equal(a8, cpu_fused_ops.int4_linear(x, packed, scale_and_zero, 64))
 
 
-def test_config_needs_an_int4_format():
-    EngineConfig(quantization="int4", int8_activations=True)
-    EngineConfig(quantization="awq", int8_activations=True)
-    for quantization in ("none", "int8"):
-        with pytest.raises(ValueError, match="int8_activations: needs quantization='int4'"):
-            EngineConfig(quantization=quantization, int8_activations=True)
+def test_config_needs_quantized_weights():
+    for quantization in ("int8", "int4", "awq"):
+        EngineConfig(quantization=quantization, int8_activations=True)
+    with pytest.raises(ValueError, match="int8_activations: needs quantized weights"):
+        EngineConfig(int8_activations=True)
 
 
 ENGINE = dict(
     model="random:tiny", dtype="bfloat16", max_model_len=128, num_kv_blocks=48, block_size=8,
-    quantization="int4", quantization_group_size=32, fused_ops=True,
+    quantization_group_size=32, fused_ops=True,
 )  # fmt: skip
 PROMPT = [(37 * i) % 900 + 3 for i in range(40)]  # 40 tokens: a prefill of many rows
 SCORE = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+SWITCH = {"int8": INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS, "int4": INT8_ACTIVATIONS_MIN_ROWS}
 
 
-def test_engine_int4_layers_run_int8_activations():
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_layers_run_int8_activations(quantization):
     _w4a8_kernel()
     if cpu_has_amx():
         pytest.skip("with AMX tiles the weight-only kernels stay (int8_activations warns)")
-    weight_only = LLM(**ENGINE)
-    a8 = LLM(**ENGINE, int8_activations=True)
-    assert a8.engine.runner.quant_summary.int8_activations_min_rows == INT8_ACTIVATIONS_MIN_ROWS
+    weight_only = LLM(**ENGINE, quantization=quantization)
+    a8 = LLM(**ENGINE, quantization=quantization, int8_activations=True)
+    switch = SWITCH[quantization]
+    assert a8.engine.runner.quant_summary.int8_activations_min_rows == switch
     assert weight_only.engine.runner.quant_summary.int8_activations_min_rows == 0
-    layers = [m for m in a8.engine.runner.model.modules() if isinstance(m, Int4Linear)]
-    assert all(m.int8_activations_min_rows == INT8_ACTIVATIONS_MIN_ROWS for m in layers)
+    layers = [m for m in a8.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.int8_activations_min_rows == switch for m in layers)
 
     def prompt_logprobs(llm: LLM) -> torch.Tensor:
         out = llm.generate([PROMPT], SCORE)[0]
@@ -114,8 +147,8 @@ def test_engine_int4_layers_run_int8_activations():
     ref, got = prompt_logprobs(weight_only), prompt_logprobs(a8)
     assert got.shape == ref.shape and not torch.equal(got, ref)  # the int8 path ran
     assert (got - ref).abs().mean().item() < 0.1 * ref.abs().mean().item()
-    # Below the switch (an 8-token prefill, then batch-1 decode) the weight-only kernel runs
-    # in both engines: the same greedy tokens.
+    # Below the switch (a 3-token prefill, then batch-1 decode) the weight-only kernel runs in
+    # both engines: the same greedy tokens.
     few = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    short = PROMPT[:8]  # 8 rows: below the switch everywhere
+    short = PROMPT[:3]
     assert a8.generate([short], few)[0].token_ids == weight_only.generate([short], few)[0].token_ids

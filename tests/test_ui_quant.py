@@ -121,11 +121,16 @@ def test_int8_activations_preset_side_configs_and_header():
     assert side_label("B", b, a) == "B: int8_activations=True"
     other = preset_form("max_num_seqs 2 vs 8")
     assert not other["A"]["int8_activations"] and not other["B"]["int8_activations"]
-    with pytest.raises(ValueError, match="int8_activations: needs quantization='int4'"):
+    with pytest.raises(ValueError, match="int8_activations: needs quantized weights"):
         side_config(base, {**a, "quantization": "none", "int8_activations": True}, 1024, 256,
                     head_dim=64)  # fmt: skip
     header = describe(_info(EngineConfig(quantization="int4", int8_activations=True)))
-    assert "(activations rounded to int8 per group from 12 rows on CPUs with AVX512-VNNI" in header
+    assert (
+        "(activations rounded to int8 per group from 12 rows on CPUs with AVX512-VNNI: W4A8)"
+        in (header)
+    )
+    header = describe(_info(EngineConfig(quantization="int8", int8_activations=True)))
+    assert "from 4 rows on CPUs with AVX512-VNNI: W8A8)" in header
 
 
 def test_info_fields_are_what_engine_info_reads():

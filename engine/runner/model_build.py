@@ -24,6 +24,7 @@ from engine.runner.quant.apply import (
     CPU_INT4_KERNEL_DEQUANT_MIN_ROWS,
     CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS,
     INT8_ACTIVATIONS_MIN_ROWS,
+    INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
 )
 from engine.runner.quant.awq import check_awq_config
 from engine.runner.quant.linear import Int4Linear, Int8Linear, QuantLinear
@@ -93,8 +94,9 @@ def _share_cpu_kernels(
     """Quantized linears dequantize (many-rows path) with the fused ops' C++ extension when
     the model runs it (fused_ops=False stays the whole torch "before"). One pass instead of
     ~8 moves the crossover from the weight-only kernel down to CPU_FUSED_DEQUANT_MIN_ROWS.
-    `int8_activations`: int4 layers take every row count in int4_linear, int8 activations from
-    INT8_ACTIVATIONS_MIN_ROWS, where this CPU has the W4A8 kernel (else a warning)."""
+    `int8_activations`: int8 and int4 layers take every row count in their C++ kernel, with
+    int8 activations from INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS / INT8_ACTIVATIONS_MIN_ROWS rows,
+    where this CPU has the W8A8 / W4A8 kernels (else a warning)."""
     if not isinstance(ops, CpuFusedOps):
         return summary
     # 0 stays 0: no weight-only kernel here (aten's int4 layout differs), always dequantize.
@@ -109,11 +111,11 @@ def _share_cpu_kernels(
         int4_kernel_rows = CPU_INT4_KERNEL_DEQUANT_MIN_ROWS
         int8_kernel_rows = CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS
     # With AMX the weight-only kernels multiply many rows with tiles, ahead of vpdpbusd.
-    w4a8 = int8_activations and not cpu_has_amx() and ops.kernels.has_int8_act_linear()
-    if int8_activations and not w4a8:
+    a8 = int8_activations and not cpu_has_amx() and ops.kernels.has_int8_act_linear()
+    if int8_activations and not a8:
         logger.warning(
             "int8_activations: not used on this CPU (it has AMX tiles, or lacks AVX512-VNNI); "
-            "int4 stays weight-only"
+            "the weights stay weight-only"
         )
     for module in model.modules():
         if isinstance(module, QuantLinear):
@@ -121,17 +123,18 @@ def _share_cpu_kernels(
             module.dequant_min_rows = rows
             if isinstance(module, Int4Linear) and module.bf16_kernel:
                 module.dequant_min_rows = int4_kernel_rows
-                if w4a8:
+                if a8:
                     module.use_int8_activations(INT8_ACTIVATIONS_MIN_ROWS)
             if isinstance(module, Int8Linear) and module.rows_kernel:
                 module.dequant_min_rows = int8_kernel_rows
+                if a8:
+                    module.use_int8_activations(INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS)
     # The summary reports the decoder layers' switch (the first quantized layer's).
     first = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
-    a8 = [m.int8_activations_min_rows for m in model.modules() if isinstance(m, Int4Linear)]
     return replace(
         summary,
         dequant_min_rows=first.dequant_min_rows if first else rows,
-        int8_activations_min_rows=min(a8, default=0),
+        int8_activations_min_rows=first.int8_activations_min_rows if first else 0,
     )
 
 

@@ -109,8 +109,8 @@ def _side_form(name: str, values: dict) -> dict:
     )
     parts["int8_activations"] = gr.Checkbox(
         value=values["int8_activations"],
-        label="int4 / awq: int8 activations from 12 rows (W4A8: batched decode and prefill "
-        "multiply bytes with AVX512-VNNI; batch-1 decode stays weight-only)",
+        label="Quantized weights: int8 activations (W8A8 / W4A8 from 4 / 12 rows: batched decode "
+        "and prefill multiply bytes with AVX512-VNNI; batch-1 decode stays weight-only)",
     )
     parts["prepack_weights"] = gr.Checkbox(
         value=values["prepack_weights"],

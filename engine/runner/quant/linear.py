@@ -77,6 +77,9 @@ class QuantLinear(nn.Module):
         # weights are final), or None for weight_only_mm: at batch 1 a layer's call is ~5 us
         # of kernel, and each buffer read through nn.Module.__getattr__ costs ~0.5-1 us.
         self.few_rows = None
+        # From this many rows the few-rows kernel quantizes x to int8 (use_int8_activations);
+        # 0 = weight-only.
+        self.int8_activations_min_rows = 0
         self.chunk_rows = self._chunk_rows()
 
     def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
@@ -85,6 +88,22 @@ class QuantLinear(nn.Module):
 
     def cpu_kernels_fit(self) -> bool:
         """Whether the C++ ops take this layer's shape."""
+        raise NotImplementedError
+
+    def use_int8_activations(self, min_rows: int) -> None:
+        """From `min_rows` rows quantize x to int8 and multiply with integer dot products
+        (kernels/cpu_int8_act_linear.h: W8A8 / W4A8), every row count through the C++ kernel
+        (its many-rows products are ahead of dequantize + GEMM too). Needs the few-rows kernel
+        bound (use_cpu_kernels first); the kernel falls back to weight-only products where the
+        CPU or the shape does not fit."""
+        if self.few_rows is None:
+            raise ValueError("int8_activations: this layer has no CPU kernel bound")
+        self.int8_activations_min_rows = min_rows
+        self.dequant_min_rows = sys.maxsize  # every row count takes few_rows
+        self.few_rows = self._few_rows_call()
+
+    def _few_rows_call(self):
+        """The C++ few-rows call with this layer's tensors (and int8 activations) bound."""
         raise NotImplementedError
 
     def _chunk_rows(self) -> int:
@@ -171,15 +190,24 @@ class Int8Linear(QuantLinear):
     def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
         super().use_cpu_kernels(kernels)
         self.few_rows = None
+        self.int8_activations_min_rows = 0
         if self.cpu_kernels is not None and self.weight_only_kernel == "cpu":
-            kernel, qweight, scales = self.cpu_kernels.int8_linear, self.qweight, self.scales
-            self.few_rows = lambda x: kernel(x, qweight, scales)
+            self.few_rows = self._few_rows_call()
+
+    def _few_rows_call(self):
+        kernel, qweight, scales = self.cpu_kernels.int8_linear, self.qweight, self.scales
+        a8_rows = self.int8_activations_min_rows
+        if a8_rows == 0:
+            return lambda x: kernel(x, qweight, scales)
+        return lambda x: kernel(x, qweight, scales, a8_rows)
 
     def step_linear(self) -> object | None:
         """The few-row kernel's weights for the C++ decode step (decode_step.py), or None."""
         if self.few_rows is None:
             return None
-        return self.cpu_kernels.load_extension().int8_call(self.qweight, self.scales)
+        return self.cpu_kernels.load_extension().int8_call(
+            self.qweight, self.scales, self.int8_activations_min_rows
+        )
 
     @property
     def rows_kernel(self) -> bool:
@@ -209,7 +237,6 @@ class Int4Linear(QuantLinear):
         n, k = w.qweight.shape
         super().__init__(n, k, bias, scratch, dequant_min_rows)
         self.group_size = w.group_size
-        self.int8_activations_min_rows = 0  # use_int8_activations; 0 = weight-only
         self.register_buffer("packed", pack_int4(w.qweight))  # uint8 [N, K/2]
         # The kernel's convention: w = (q - 8) * s + zf, so zf = (8 - z) * s.
         zf = (8 - w.zeros.float()) * w.scales
@@ -256,22 +283,14 @@ class Int4Linear(QuantLinear):
         ):
             # Nibbles to bfloat16 by bit operations and vdpbf16ps (kernels/cpu_int4_linear.h):
             # ~1.5x aten's kernel at batch 1, which is bound by its float32 arithmetic.
-            kernel, packed, params = self.cpu_kernels.int4_linear, self.packed, self.scale_and_zero
-            group_size = self.group_size
-            self.few_rows = lambda x: kernel(x, packed, params, group_size)
+            self.few_rows = self._few_rows_call()
 
-    def use_int8_activations(self, min_rows: int) -> None:
-        """From `min_rows` rows quantize x to int8 and multiply with integer dot products
-        (kernels/cpu_int8_act_linear.h, W4A8), at every row count through int4_linear: its
-        many-rows product is ahead of dequantize + GEMM too. Needs the bf16 kernel
-        (use_cpu_kernels first) and, in the extension, has_int8_act_linear()."""
-        if self.few_rows is None:
-            raise ValueError("int8_activations: this int4 layer has no CPU kernel bound")
-        self.int8_activations_min_rows = min_rows
-        self.dequant_min_rows = sys.maxsize  # every row count takes few_rows
+    def _few_rows_call(self):
         kernel, packed, params = self.cpu_kernels.int4_linear, self.packed, self.scale_and_zero
-        group_size = self.group_size
-        self.few_rows = lambda x: kernel(x, packed, params, group_size, min_rows)
+        group_size, a8_rows = self.group_size, self.int8_activations_min_rows
+        if a8_rows == 0:
+            return lambda x: kernel(x, packed, params, group_size)
+        return lambda x: kernel(x, packed, params, group_size, a8_rows)
 
     def step_linear(self) -> object | None:
         """The few-row kernel's weights for the C++ decode step (decode_step.py), or None."""
