@@ -1,7 +1,7 @@
-// W4A8 products for many rows: int4 weights times activations quantized to int8 on the fly,
-// multiplied with AVX512-VNNI (vpdpbusd). Included by cpu_fused_ops.cpp, whose int4_linear
-// calls it when the engine asks for int8 activations (EngineConfig.int8_activations) and the
-// rows are at least int8_activations_min_rows; fewer rows keep the weight-only kernels.
+// W8A8 / W4A8 products: int8 or int4 weights times activations quantized to int8 on the fly,
+// multiplied with AVX512-VNNI (vpdpbusd). Included by cpu_fused_ops.cpp, whose int8_linear and
+// int4_linear call it when the engine asks for int8 activations (EngineConfig.int8_activations)
+// and the rows are at least int8_activations_min_rows; fewer rows keep the weight-only kernels.
 //
 // Why: with many rows a weight-only product is bound by arithmetic, and the weight-only
 // kernels multiply bfloat16 pairs: vdpbf16ps does 32 multiply-adds an instruction, vpdpbusd 64
@@ -9,13 +9,16 @@
 // 2-core Zen 4 EPYC). At 64 rows our bf16 linears run at ~97% of the measured bf16 matmul peak,
 // so a weight-only format can at best tie bf16 there (docs/measurements/quantization.md);
 // integer products are the way past that tie, as llama.cpp's CPU kernels multiply their
-// 4-bit weights by activations quantized to 8 bits.
+// quantized weights by activations quantized to 8 bits.
 //
-// Activations: each row's inputs, in groups of the weight's group size G, are scaled by
-// a = max|x| / 127 and rounded to int8 (to nearest even), xq, and sq = sum xq is kept. Weights:
-// each thread unpacks a 64-row block once into bytes u = q (0-15) in vpdpbusd's order (a 32-bit
-// lane holds 4 consecutive inputs of one row, 16 rows a vector), with per (group, row) floats
-// s and c = zf - 8 s, so that the layer's w = (q - 8) s + zf = s u + c. Then per row m, output n:
+// Activations: each row's inputs, in groups of G (the int4 weight's group size; 64 for int8),
+// are scaled by a = max|x| / 127 and rounded to int8 (to nearest even), xq, and sq = sum xq is
+// kept. Weights: each thread unpacks half a 64-row block at a time into bytes u in vpdpbusd's
+// order (a 32-bit lane holds 4 consecutive inputs of one row, 16 rows a vector), with per
+// (group, row) floats s and c such that the layer's weight is w = s u + c:
+//   int4 (w = (q - 8) s + zf):  u = q (0-15),       c = zf - 8 s;
+//   int8 (w = q s):             u = q + 128 (0-255), c = -128 s.
+// Then per row m, output n:
 //   out(m, n) = sum_g a(m, g) (s(g, n) dot_g(u(n), xq(m)) + c(g, n) sq(m, g))
 // with dot_g exact in int32. The rounding beyond the weight-only path's is xq's: at most half a
 // step of a group's max / 127 per input (relative error ~0.6% of a layer's output on random
@@ -44,7 +47,7 @@ namespace cpu_int8_act_linear {
 // Work is split in half blocks: the rows 16 h .. 16 h + 15 and 32 + 16 h .. 32 + 16 h + 15 of
 // a 64-row block (the low and high nibbles of the same packed bytes), so a layer of B blocks is
 // 2 B items and two threads get equal shares (SmolLM2's 576-row layers are 9 blocks: whole
-// blocks left one thread waiting a ninth of the call).
+// blocks split 5 / 4, and perf showed the threads' wait as ~19% of a 576 x 1536 layer's time).
 constexpr int BLOCK_ROWS = 64;  // output rows per packed block
 constexpr int HALF_ROWS = 32;   // output rows per work item (two vectors of 16)
 constexpr int TILE_M = 6;       // x rows per register tile: 6 x 2 int32 + 6 x 2 float32 sums
