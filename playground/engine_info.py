@@ -30,6 +30,9 @@ class EngineInfo:
     attention_backend: str = ""
     # What runs RMSNorm, RoPE and SiLU-and-mul (EngineStats.layer_ops).
     layer_ops: str = ""
+    # What the linears' many-row products multiply (EngineStats.matmul_dtype): "int8" with int8
+    # activations, else the model dtype; "" where not known.
+    matmul_dtype: str = ""
 
 
 def engine_info(service: Any) -> EngineInfo:
@@ -47,6 +50,7 @@ def engine_info(service: Any) -> EngineInfo:
         kv_cache_dtype=stats.kv_cache_dtype,
         attention_backend=stats.attention_backend,
         layer_ops=stats.layer_ops,
+        matmul_dtype=stats.matmul_dtype,
     )
 
 

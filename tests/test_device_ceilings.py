@@ -105,7 +105,8 @@ def test_measure_and_cache_on_cpu(cache_dir, monkeypatch):
     assert first.measured
     assert re.search(r"measured on cpu \d{4}-\d\d-\d\d \d\d:\d\d UTC", first.source), first.source
     assert first.bandwidth_bytes_per_s > 0
-    assert set(first.peak_flops_per_s) == {"float32", "bfloat16", "float16"}
+    # int8: torch._int_mm's products, the roof of int8 activations (EngineConfig.int8_activations)
+    assert set(first.peak_flops_per_s) == {"float32", "bfloat16", "float16", "int8"}
     assert all(v > 0 for v in first.peak_flops_per_s.values())
     assert first.ridge_point("float32") > 0
 

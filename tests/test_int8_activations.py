@@ -152,3 +152,27 @@ def test_engine_layers_run_int8_activations(quantization):
     few = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     short = PROMPT[:3]
     assert a8.generate([short], few)[0].token_ids == weight_only.generate([short], few)[0].token_ids
+
+
+def test_the_roofline_takes_the_int8_roof_where_it_has_one():
+    from engine.telemetry.ceilings import PRESETS, DeviceCeilings
+    from playground.handlers.roofline import roof_dtype
+
+    measured = DeviceCeilings("cpu", {"bfloat16": 4e11, "int8": 8.5e11}, 5e10, True, "measured")
+    assert roof_dtype(measured, "int8", "bfloat16")[0] == "int8"
+    assert "Compute roof: int8 products" in roof_dtype(measured, "int8", "bfloat16")[1]
+    assert roof_dtype(measured, "bfloat16", "bfloat16") == ("bfloat16", "")
+    # A datasheet GPU (or a roof cached before int8 peaks were measured): the model dtype's
+    # peak, said so.
+    dtype, note = roof_dtype(PRESETS["H200"], "int8", "bfloat16")
+    assert dtype == "bfloat16" and note.startswith("**No int8 peak in this roof**")
+
+
+def test_engine_stats_name_the_matmul_dtype():
+    _w4a8_kernel()
+    if cpu_has_amx():
+        pytest.skip("with AMX tiles the weight-only kernels stay")
+    assert LLM(**ENGINE, quantization="int4").stats().matmul_dtype == "bfloat16"
+    a8 = LLM(**ENGINE, quantization="int4", int8_activations=True)
+    assert a8.stats().matmul_dtype == "int8"
+    assert "every step in one C++ call" in a8.stats().layer_ops

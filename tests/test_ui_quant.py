@@ -137,7 +137,8 @@ def test_info_fields_are_what_engine_info_reads():
     from playground.engine_info import describe, engine_info
 
     stats = SimpleNamespace(num_kv_blocks=64, kv_cache_bytes=1 << 20, kv_cache_dtype="bfloat16",
-                            attention_backend="cpu", layer_ops="cpu (fused C++ ops)")  # fmt: skip
+                            attention_backend="cpu", layer_ops="cpu (fused C++ ops)",
+                            matmul_dtype="int8")  # fmt: skip
     service = SimpleNamespace(model_name="m", config=INT4, model_shape=SHAPE, device="cpu",
                               dtype="bfloat16", max_model_len=1024, weight_bytes=123,
                               stats=lambda: stats)  # fmt: skip
@@ -145,6 +146,7 @@ def test_info_fields_are_what_engine_info_reads():
     assert (info.weight_bytes, info.kv_cache_dtype) == (123, "bfloat16")
     assert info.attention_backend == "cpu"
     assert info.layer_ops == "cpu (fused C++ ops)"
+    assert info.matmul_dtype == "int8"  # the roofline's compute roof
     assert "attention cpu, norm/RoPE/SiLU cpu (fused C++ ops)" in describe(info)
 
 

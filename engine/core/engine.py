@@ -407,6 +407,7 @@ class LLMEngine:
             kv_cache_dtype=self.runner.kv_cache_dtype_name,
             attention_backend=self.runner.attn_backend.description,
             layer_ops=self.runner.layer_ops_description,
+            matmul_dtype=self.runner.matmul_dtype,
             num_steps_total=recorder.num_steps,
             num_step_failures_total=recorder.num_step_failures_total,
             steps=recorder.step_history.snapshot(),

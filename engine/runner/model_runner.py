@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -476,11 +477,22 @@ class ModelRunner:
         return (summary.linear_bytes + head_bytes) / (summary.linear_params + head_params)
 
     @property
+    def matmul_dtype(self) -> str:
+        """What the linear layers' many-row products multiply: "int8" with int8 activations in
+        effect (EngineConfig.int8_activations on a CPU that runs them), else the model dtype."""
+        summary = self.quant_summary
+        if summary is not None and summary.int8_activations_min_rows > 0:
+            return "int8"
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def layer_ops_description(self) -> str:
         if self.fused_ops_fallback:
             return f"torch (fused ops unavailable: {self.fused_ops_fallback})"
         step = self.model.decode_step  # built only with the C++ ops (models/decode_step.py)
         if step is not None:
+            if step.max_rows >= sys.maxsize // 2:  # every quantized product takes any rows
+                return "cpu (fused C++ ops; every step in one C++ call)"
             return f"cpu (fused C++ ops; steps of <= {step.max_rows} tokens in one C++ call)"
         labels = {"cpu": "cpu (fused C++ ops)", "triton": "triton (fused Triton ops)"}
         return labels.get(self.layer_ops.name, "torch")

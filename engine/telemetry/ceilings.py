@@ -19,7 +19,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+# "int8": int8 x int8 -> int32 products (torch._int_mm), the roof of EngineConfig.int8_activations
+# (its ops counted as FLOPs: 2 per multiply-add, as for the float types).
+DTYPES = ("float32", "bfloat16", "float16", "int8")
 CACHE_FILE_NAME = "device_ceilings.json"
 
 
@@ -227,15 +229,23 @@ def measure_matmul_flops(device: str, dtype: str, time_budget_s: float = 0.4) ->
     torch_dtype = getattr(torch, dtype)
     cuda = device.startswith("cuda")
     n, max_n = (8192, 8192) if cuda else (256, 2048)
+
+    def operands(n: int):
+        if torch_dtype == torch.int8:  # small integers: int8 x int8 products sum in int32
+            return tuple(
+                torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device) for _ in "ab"
+            )
+        return tuple(torch.randn(n, n, device=device).to(torch_dtype) for _ in "ab")
+
+    mm = torch._int_mm if torch_dtype == torch.int8 else torch.matmul
     while True:
-        a = torch.randn(n, n, device=device).to(torch_dtype)
-        b = torch.randn(n, n, device=device).to(torch_dtype)
-        t = _best_time_s(lambda a=a, b=b: a @ b, device, repeats=1, iters=10 if cuda else 1)
+        a, b = operands(n)
+        t = _best_time_s(lambda a=a, b=b: mm(a, b), device, repeats=1, iters=10 if cuda else 1)
         if t >= 0.02 or n >= max_n:
             break
         n *= 2
     repeats = max(1, min(20, int(time_budget_s / max(t, 1e-6))))
-    t = min(t, _best_time_s(lambda: a @ b, device, repeats, iters=10 if cuda else 1))
+    t = min(t, _best_time_s(lambda: mm(a, b), device, repeats, iters=10 if cuda else 1))
     return 2.0 * n**3 / t
 
 
@@ -243,7 +253,13 @@ def measure_ceilings(device: str = "cpu", dtypes: Sequence[str] = DTYPES) -> Dev
     """Measure bandwidth and per-dtype matmul FLOP/s on `device` (a few seconds on CPU)."""
     t0 = time.perf_counter()
     bandwidth = measure_bandwidth(device)
-    peaks = {dtype_name(d): measure_matmul_flops(device, dtype_name(d)) for d in dtypes}
+    peaks = {}
+    for d in map(dtype_name, dtypes):
+        try:
+            peaks[d] = measure_matmul_flops(device, d)
+        except (RuntimeError, NotImplementedError):
+            if d != "int8":  # torch._int_mm is missing on some builds and devices: no int8 roof
+                raise
     return DeviceCeilings(
         name=device_name(device),
         peak_flops_per_s=peaks,

@@ -227,6 +227,10 @@ class EngineStats:
     # ops)" (GPUs), "torch", or "torch
     # (fused ops unavailable: why)" (EngineConfig.fused_ops resolved); "" where not known.
     layer_ops: str = ""
+    # What the linear layers' many-row products multiply: the model dtype, or "int8" with int8
+    # activations (EngineConfig.int8_activations in effect); "" where not known. The roofline
+    # takes its compute roof from this dtype's measured peak.
+    matmul_dtype: str = ""
     steps: list[StepStats] = field(default_factory=list)  # most recent last
     finished: list[FinishedRequest] = field(default_factory=list)  # most recent last
 

@@ -173,14 +173,40 @@ def _note(fig: go.Figure, text: str) -> None:
     )
 
 
+def roof_dtype(ceilings: DeviceCeilings, dtype: str, fallback: str) -> tuple[str, str]:
+    """The dtype whose peak is the compute roof: `dtype` (what the matmuls multiply) where
+    this roof has its peak, else `fallback` (the model dtype), with a note saying so."""
+    if dtype in ceilings.peak_flops_per_s:
+        if dtype == "int8" and dtype != fallback:
+            return dtype, (
+                "**Compute roof: int8 products** (`torch._int_mm`): the quantized linears "
+                "multiply int8 activations (int8_activations); attention and the small ops stay "
+                f"{fallback}."
+            )
+        return dtype, ""
+    return fallback, (
+        f"**No {dtype} peak in this roof** ({ceilings.source.split(';')[0]}): drawn with the "
+        f"{fallback} peak, lower than what the {dtype} products reach; Re-measure adds it."
+    )
+
+
 def roofline_view(
-    provider: CeilingsProvider, choice: str, dtype: str, steps: Sequence[StepStats]
+    provider: CeilingsProvider,
+    choice: str,
+    dtype: str,
+    steps: Sequence[StepStats],
+    model_dtype: str | None = None,
 ) -> tuple[go.Figure, str]:
+    """The roofline at `dtype`'s peak (the matmuls' element type: "int8" with int8
+    activations; else the model dtype, which `model_dtype` names when they differ)."""
     ceilings = provider.get(choice)
+    dtype, note = roof_dtype(ceilings, dtype, model_dtype or dtype)
     fig = roofline_figure(ceilings, dtype, steps)
     if not any(s.flops > 0 and s.duration_s > 0 for s in steps):
         _note(fig, "No engine steps yet: send a message in Chat or run a load test.")
     text = caption(ceilings, dtype, steps, provider.device)
+    if note:
+        text = f"{note}\n\n{text}"
     if choice == MEASURED and provider.latest is not None:  # said on every redraw, not once
         text = f"{remeasure_note(provider.latest, False, ceilings, dtype)}\n\n{text}"
     return fig, text

@@ -77,6 +77,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         _create_remote_handlers(ui)
         return
     dtype = ctx.info.dtype
+    matmul_dtype = ctx.info.matmul_dtype or dtype  # "int8" with int8 activations
 
     def draw(choice, last_num_steps=None, auto=True, force=True, note=""):
         if not auto and not force:
@@ -85,7 +86,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         if not force and stats.num_steps_total == last_num_steps:
             return gr.skip(), gr.skip(), gr.skip()
         try:
-            fig, caption = roofline_view(ctx.ceilings, choice, dtype, stats.steps)
+            fig, caption = roofline_view(ctx.ceilings, choice, matmul_dtype, stats.steps, dtype)
         except (ValueError, KeyError, RuntimeError) as e:
             gr.Warning(f"Roofline: {e}")
             return gr.skip(), f"**Could not draw the roofline:** {e}", last_num_steps
