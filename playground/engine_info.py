@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.runner.quant.apply import INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
+from engine.config import (
+    INT8_ACTIVATIONS_MIN_ROWS,
+    INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
+    EngineConfig,
+)
 from engine.telemetry.cost import ModelShape
 
 

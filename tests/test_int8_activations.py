@@ -9,11 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.config import INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
 from engine.runner.models.prepack import cpu_has_amx
-from engine.runner.quant.apply import (
-    INT8_ACTIVATIONS_MIN_ROWS,
-    INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
-)
 from engine.runner.quant.formats import quantize_int8
 from engine.runner.quant.linear import QuantLinear
 from kernels import cpu_fused_ops

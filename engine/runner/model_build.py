@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.config import INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
 from engine.runner.attention.base import AttentionBackend
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
@@ -23,8 +24,6 @@ from engine.runner.quant.apply import (
     CPU_FUSED_DEQUANT_MIN_ROWS,
     CPU_INT4_KERNEL_DEQUANT_MIN_ROWS,
     CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS,
-    INT8_ACTIVATIONS_MIN_ROWS,
-    INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
 )
 from engine.runner.quant.awq import check_awq_config
 from engine.runner.quant.linear import Int4Linear, Int8Linear, QuantLinear
@@ -40,7 +39,7 @@ class WeightFormat:
     group_size: int  # int4: input features per scale/zero pair
     seed: int  # random:<preset> weights
     quantize_lm_head: bool = True  # quantized formats: the LM head too (awq: RTN int4)
-    int8_activations: bool = False  # int4/awq: W4A8 from INT8_ACTIVATIONS_MIN_ROWS (CPU)
+    int8_activations: bool = False  # W8A8 / W4A8 from a few rows (engine/config.py), CPU
 
 
 def build_model(

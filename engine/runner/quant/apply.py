@@ -56,20 +56,8 @@ CPU_INT4_KERNEL_DEQUANT_MIN_ROWS = 65
 # 2026-12-06): 34.0 ms against 34.9 for the prepacked bf16 kernel; dequantize + oneDNN took ~48
 # on another day (docs/measurements/quantization.md).
 CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS = 65
-# int4 layers with int8_activations (kernels/cpu_int8_act_linear.h: AVX512-VNNI, no AMX): from
-# this many rows x is quantized to int8 and multiplied with vpdpbusd; fewer rows keep the
-# weight-only kernel. One pass over SmolLM2's decoder-layer linears, 2-core EPYC, 2026-12-06
-# 20:56 (benchmarks.packed_linear --quantized, min ms, W4A8 / W4A16 / bf16 kernel): 8 rows
-# 7.03 / 6.35 / 8.36, 12 rows 8.51 / 9.82 / 9.91, 16 rows 9.77 / 11.58 / 10.59, 32 rows
-# 15.39 / 19.95 / 19.03, 64 rows 25.68 / 35.63 / 35.16, 128 rows 53.90 / 68.46 / 68.25.
-INT8_ACTIVATIONS_MIN_ROWS = 12
-# The same for int8 layers (W8A8: a 16 x 16 transpose per 64 inputs of 16 rows where int4
-# unpacks nibbles). Their weight-only kernel is slower than int4's from 3 rows on (it widens
-# bytes to bf16 with ~7 instructions per 32 weights), so the switch comes earlier. Same pass,
-# 21:08, two runs, min ms, W8A8 / W8A16: 1 row 6.27-6.48 / 3.93-4.40, 2 rows 6.40-7.21 /
-# 4.53-5.06, 3 rows 6.69-6.81 / 6.40-7.10, 4 rows 6.54-6.90 / 8.66-8.72, 8 rows 7.02-8.77 /
-# 10.48-11.58, 64 rows 23.94-33.28 / 35.39-45.43 (bf16 34.79-37.93; the host's two modes).
-INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS = 4
+# int8_activations' switches (INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS) live in
+# engine/config.py, which the UI reads without torch.
 # Quantized bfloat16 layers on CPUs with AMX (kernels/cpu_amx_linear.h): the weight-only kernels
 # multiply many rows with AMX tiles, converting the weight to 16-bit once per call in L2, where
 # dequantize + GEMM wrote the whole 16-bit weight and oneDNN reordered it on every call.
@@ -96,7 +84,7 @@ class QuantSummary:
     linear_bytes: int  # their bytes as stored: values + scales + zeros
     other_bytes: int  # everything else (embedding, norms, biases) in the model dtype
     dequant_min_rows: int  # see CPU_DEQUANT_MIN_ROWS; 0 = always dequantize
-    int8_activations_min_rows: int = 0  # int4 W4A8 from this many rows (0: weight-only)
+    int8_activations_min_rows: int = 0  # W8A8 / W4A8 from this many rows (0: weight-only)
 
     @property
     def total_bytes(self) -> int:
