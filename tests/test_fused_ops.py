@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from fused_close import DTYPES, assert_close
+from fused_close import DTYPES, assert_close, int4_weight
 
 from engine import LLM, SamplingParams
 from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
@@ -347,7 +347,7 @@ def test_int4_linear_many_rows_multiply_the_one_pass_dequantized_weight(fused, r
     if rows < INT4_DEQUANTIZED_PAIRS_MIN_ROWS and not cpu_fused_ops.has_amx_linear():
         pytest.skip("below the switch: the nibbles' own products (the test below)")
     gen = torch.Generator().manual_seed(rows * 7 + n + k + group)
-    packed, scale_and_zero, _ = _int4_weight(n, k, group, gen)
+    packed, scale_and_zero, _ = int4_weight(n, k, group, gen)
     wt = torch.empty(k, n, dtype=torch.bfloat16)
     cpu_fused_ops.dequant_int4(wt, packed, scale_and_zero, group, 0, n)
     x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -376,19 +376,6 @@ def _int4_kernel(fused) -> None:
         pytest.skip("int4_linear needs AVX512-BF16 and AVX512-VBMI (aten's kernel runs instead)")
 
 
-def _int4_weight(n: int, k: int, group: int, gen: torch.Generator):
-    from kernels.int4_pack import pack_int4
-
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    s = torch.rand(k // group, n, generator=gen) * 0.02 + 0.001
-    zf = torch.randn(k // group, n, generator=gen) * 0.05
-    scale_and_zero = torch.stack([s, zf], dim=-1).bfloat16().contiguous()
-    params = scale_and_zero.float()
-    w = (q.float().view(n, k // group, group) - 8) * params[..., 0].t()[..., None]
-    w = (w + params[..., 1].t()[..., None]).view(n, k)  # (q - 8) * s + zf, in float32
-    return pack_int4(q), scale_and_zero, w
-
-
 @pytest.mark.parametrize(
     ("rows", "n", "k", "group"),
     # rows: 1 (decode), 2 and 3 (odd tiles), 4 (one full tile), 5 (two tiles over the nibbles),
@@ -403,7 +390,7 @@ def test_int4_linear_matches_the_dequantized_matmul(fused, rows, n, k, group):
     nibbles and (s, zf): only the summation order and the bfloat16 output's rounding differ."""
     _int4_kernel(fused)
     gen = torch.Generator().manual_seed(rows * 7919 + n + k + group)
-    packed, scale_and_zero, w = _int4_weight(n, k, group, gen)
+    packed, scale_and_zero, w = int4_weight(n, k, group, gen)
     x = torch.randn(rows, k, generator=gen).bfloat16()
     ref = (x.float() @ w.T).bfloat16()
     out = cpu_fused_ops.int4_linear(x, packed, scale_and_zero, group)
@@ -417,7 +404,7 @@ def test_int4_linear_matches_the_dequantized_matmul(fused, rows, n, k, group):
 
 def test_int4_linear_rejects_mismatched_inputs(fused):
     _int4_kernel(fused)
-    packed, sz, _ = _int4_weight(64, 64, 32, torch.Generator().manual_seed(0))
+    packed, sz, _ = int4_weight(64, 64, 32, torch.Generator().manual_seed(0))
     x = torch.randn(1, 64).bfloat16()
     with pytest.raises(ValueError, match="x: bfloat16"):
         cpu_fused_ops.int4_linear(x.float(), packed, sz, 32)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fused_close import int4_weight
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config import INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
@@ -14,7 +15,6 @@ from engine.runner.models.prepack import cpu_has_amx
 from engine.runner.quant.formats import quantize_int8
 from engine.runner.quant.linear import QuantLinear
 from kernels import cpu_fused_ops
-from kernels.int4_pack import pack_int4
 
 
 def _w4a8_kernel() -> None:
@@ -22,17 +22,6 @@ def _w4a8_kernel() -> None:
         pytest.skip("the C++ kernels are unavailable (no compiler)")
     if not (cpu_fused_ops.has_int4_linear() and cpu_fused_ops.has_int8_act_linear()):
         pytest.skip("the W4A8 kernel needs AVX512-VNNI, BW and VBMI (and the bf16 int4 kernel)")
-
-
-def _int4_weight(n: int, k: int, group: int, gen: torch.Generator):
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    s = torch.rand(k // group, n, generator=gen) * 0.02 + 0.001
-    zf = torch.randn(k // group, n, generator=gen) * 0.05
-    scale_and_zero = torch.stack([s, zf], dim=-1).bfloat16().contiguous()
-    params = scale_and_zero.double()
-    w = (q.double().view(n, k // group, group) - 8) * params[..., 0].t()[..., None]
-    w = (w + params[..., 1].t()[..., None]).view(n, k)  # (q - 8) * s + zf
-    return pack_int4(q), scale_and_zero, w
 
 
 def _int8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -57,10 +46,11 @@ def test_w4a8_matches_its_int8_rows_times_the_weight(rows, n, k, group):
     then scaled; the reference (float64) differs by float32 epilogue sums and the bf16 out."""
     _w4a8_kernel()
     gen = torch.Generator().manual_seed(rows * 131 + n + k + group)
-    packed, scale_and_zero, w = _int4_weight(n, k, group, gen)
+    packed, scale_and_zero, w = int4_weight(n, k, group, gen)
     x = torch.randn(rows, k, generator=gen).bfloat16()
     x[0, :group] = 0  # an all-zero group: scale 0, no NaN
     out = cpu_fused_ops.int4_linear(x, packed, scale_and_zero, group, 16)
+    w = w.double()
     ref = _int8_rows(x, group) @ w.T
     tol = 1e-2 * ref.abs().max().item()  # ~2 bf16 steps of the largest output
     assert (out.double() - ref).abs().max().item() < tol
@@ -98,7 +88,7 @@ def test_w8a8_matches_its_int8_rows_times_the_weight(rows, n, k):
 def test_below_the_switch_the_weight_only_kernel_runs():
     _w4a8_kernel()
     gen = torch.Generator().manual_seed(7)
-    packed, scale_and_zero, _ = _int4_weight(192, 576, 64, gen)
+    packed, scale_and_zero, _ = int4_weight(192, 576, 64, gen)
     for rows in (1, 4, 15):
         x = torch.randn(rows, 576, generator=gen).bfloat16()
         a8 = cpu_fused_ops.int4_linear(x, packed, scale_and_zero, 64, 16)
