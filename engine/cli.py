@@ -16,7 +16,13 @@ import typing
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, literal_choices
+from engine.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    INT8_ACTIVATIONS_MIN_ROWS,
+    INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
+    EngineConfig,
+    literal_choices,
+)
 
 # One help line per EngineConfig field (a test checks that none is missing).
 FLAG_HELP: dict[str, str] = {
@@ -61,8 +67,9 @@ FLAG_HELP: dict[str, str] = {
     "group, every linear layer and the LM head (embeddings and norms stay 16-bit); awq: load "
     "an AutoAWQ GEMM checkpoint folder",
     "int8_activations": "quantized weights on CPUs with AVX512-VNNI: quantize each layer's "
-    "input to int8 per group from a few rows (int8: 4, int4/awq: 12; batched decode, prefill) and "
-    "multiply with integer dot products (W8A8 / W4A8); batch-1 decode keeps the weight-only kernel",
+    f"input to int8 per group from a few rows (int8: {INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS}, int4/awq: "
+    f"{INT8_ACTIVATIONS_MIN_ROWS}; batched decode, prefill) and multiply with integer dot products "
+    "(W8A8 / W4A8); batch-1 decode keeps the weight-only kernel",
     "quantization_group_size": "int4: input features per scale/zero pair (must divide every "
     "layer's input size: SmolLM2's 576 takes 32 or 64)",
     "quantize_lm_head": "quantized weights: the LM head too (awq: int4 round-to-nearest at the "

@@ -40,10 +40,11 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # int4 layers with int8_activations (kernels/cpu_int8_act_linear.h: AVX512-VNNI, no AMX): from
 # this many rows x is quantized to int8 and multiplied with vpdpbusd; fewer rows keep the
 # weight-only kernel. One pass over SmolLM2's decoder-layer linears, 2-core EPYC, 2026-12-06
-# 20:56 (benchmarks.packed_linear --quantized, min ms, W4A8 / W4A16 / bf16 kernel): 8 rows
-# 7.03 / 6.35 / 8.36, 12 rows 8.51 / 9.82 / 9.91, 16 rows 9.77 / 11.58 / 10.59, 32 rows
-# 15.39 / 19.95 / 19.03, 64 rows 25.68 / 35.63 / 35.16, 128 rows 53.90 / 68.46 / 68.25.
-INT8_ACTIVATIONS_MIN_ROWS = 12
+# 21:40, two runs (benchmarks.packed_linear --quantized, min ms, W4A8 / W4A16 / bf16 kernel):
+# 4 rows 4.35-4.44 / 3.53-3.58 / 7.86, 6 rows 4.52-4.54 / 5.19-5.41 / 8.23-8.26, 8 rows
+# 5.18-5.30 / 6.29-7.04 / 8.37-9.51, 12 rows 6.17-6.83 / 9.69-11.74 / 9.60-11.14; 21:39: 64 rows
+# 23.56-25.88 / 35.94-38.40 / 35.28-36.43, 128 rows 42.90-43.29 / 67.43-69.75 / 66.74-67.34.
+INT8_ACTIVATIONS_MIN_ROWS = 6
 # The same for int8 layers (W8A8: a 16 x 16 transpose per 64 inputs of 16 rows where int4
 # unpacks nibbles). Their weight-only kernel is slower than int4's from 3 rows on (it widens
 # bytes to bf16 with ~7 instructions per 32 weights), so the switch comes earlier. Same pass,
@@ -112,7 +113,7 @@ class EngineConfig:
     # their own format; awq as int4 round-to-nearest at the checkpoint's group size (AutoAWQ
     # leaves it 16-bit). False keeps it 16-bit, as vLLM loads AWQ checkpoints.
     quantize_lm_head: bool = True
-    # Quantized weights on CPU: from a few rows (int8: 4, int4/awq: 12; batched decode, prefill)
+    # Quantized weights on CPU: from a few rows (int8: 4, int4/awq: 6; batched decode, prefill)
     # quantize each layer's input to int8 per group and multiply with integer dot products
     # (W8A8 / W4A8, kernels/cpu_int8_act_linear.h, CPUs with AVX512-VNNI): past the tie with
     # bf16 that weight-only products reach at many rows, for a small rounding of the

@@ -122,12 +122,15 @@ inline void unpack_half(const uint8_t* block, const uint32_t* scale_zero, int64_
                         int64_t groups, int h, HalfBlock& b) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i index = _mm512_load_si512(QUAD_INDEX.bytes[h]);
+  // Plain pointers: b is a thread_local, and through b.u GCC looked its address up
+  // (__tls_get_addr) again after every store.
+  __m512i* u = b.u.data();
+  float *s_out = b.s.data(), *c_out = b.c.data();
   for (int64_t k4 = 0; k4 < K / 4; ++k4) {
     const __m512i bytes = _mm512_permutex2var_epi8(_mm512_loadu_si512(block + 2 * k4 * 64), index,
                                                    _mm512_loadu_si512(block + (2 * k4 + 1) * 64));
-    _mm512_store_si512(&b.u[size_t(2 * k4)], _mm512_and_si512(bytes, nibble));
-    _mm512_store_si512(&b.u[size_t(2 * k4 + 1)],
-                       _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
+    _mm512_store_si512(u + 2 * k4, _mm512_and_si512(bytes, nibble));
+    _mm512_store_si512(u + 2 * k4 + 1, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
   }
   for (int64_t g = 0; g < groups; ++g) {
     for (int r = 0; r < HALF_ROWS; ++r) {
@@ -137,8 +140,8 @@ inline void unpack_half(const uint8_t* block, const uint32_t* scale_zero, int64_
       float s, zf;
       std::memcpy(&s, &s_bits, sizeof s);
       std::memcpy(&zf, &zf_bits, sizeof zf);
-      b.s[size_t(g * HALF_ROWS + r)] = s;
-      b.c[size_t(g * HALF_ROWS + r)] = zf - 8.0f * s;
+      s_out[g * HALF_ROWS + r] = s;
+      c_out[g * HALF_ROWS + r] = zf - 8.0f * s;
     }
   }
 }
@@ -238,6 +241,8 @@ inline void all_rows(const HalfBlock& b, const QuantizedRows& x, int64_t group, 
 inline void unpack_int8_half(const int8_t* q, const c10::BFloat16* scales, int64_t K,
                              int64_t groups, int h, HalfBlock& b) {
   const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512i* u = b.u.data();  // plain pointers: see unpack_half
+  float *s_out = b.s.data(), *c_out = b.c.data();
   for (int j = 0; j < 2; ++j) {
     const int8_t* rows = q + (32 * j + 16 * h) * K;
     for (int64_t k0 = 0; k0 < K; k0 += 64) {
@@ -245,15 +250,15 @@ inline void unpack_int8_half(const int8_t* q, const c10::BFloat16* scales, int64
       for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + i * K + k0);
       cpu_simd::transpose16(r);  // r[i]: input word k0 / 4 + i of the 16 rows
       for (int i = 0; i < 16; ++i) {
-        _mm512_store_si512(&b.u[size_t(2 * (k0 / 4 + i) + j)], _mm512_xor_si512(r[i], flip));
+        _mm512_store_si512(u + 2 * (k0 / 4 + i) + j, _mm512_xor_si512(r[i], flip));
       }
     }
   }
   for (int r = 0; r < HALF_ROWS; ++r) {
     const float scale = float(scales[(r / 16) * 32 + 16 * h + r % 16]);
     for (int64_t g = 0; g < groups; ++g) {
-      b.s[size_t(g * HALF_ROWS + r)] = scale;
-      b.c[size_t(g * HALF_ROWS + r)] = -128.0f * scale;
+      s_out[g * HALF_ROWS + r] = scale;
+      c_out[g * HALF_ROWS + r] = -128.0f * scale;
     }
   }
 }
@@ -312,6 +317,18 @@ inline void linear_int4(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, i
       out, x, M, K, N, group,
       [&](int64_t n0, int h, HalfBlock& b) {
         unpack_half(packed + n0 * K / 2, sz + n0, N, K, groups, h, b);
+        // The next item's (s, zf) pairs: a group's are N pairs apart, so each of its two
+        // 64-byte runs is a line of its own, and waiting on them one by one cost ~10% of a
+        // 64-row call (perf: the unpacking's scale loop stalled on its loads).
+        const int64_t next0 = h == 0 ? n0 : n0 + BLOCK_ROWS;
+        if (next0 < N) {
+          const int next_h = 1 - h;
+          for (int64_t g = 0; g < groups; ++g) {
+            for (int j = 0; j < 2; ++j) {
+              __builtin_prefetch(sz + g * N + next0 + 32 * j + 16 * next_h, 0, 3);
+            }
+          }
+        }
       },
       [&](int64_t item, int64_t end) {
         // Both halves read the same bytes: during the second, request the next block's.

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine import EngineConfig
+from engine.config import INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
 from engine.runner.models.presets import MODEL_PRESETS
 from engine.telemetry.cost import ModelShape
 from playground.engine_info import EngineInfo, describe
@@ -126,11 +127,13 @@ def test_int8_activations_preset_side_configs_and_header():
                     head_dim=64)  # fmt: skip
     header = describe(_info(EngineConfig(quantization="int4", int8_activations=True)))
     assert (
-        "(activations rounded to int8 per group from 12 rows on CPUs with AVX512-VNNI: W4A8)"
-        in (header)
+        f"(activations rounded to int8 per group from {INT8_ACTIVATIONS_MIN_ROWS} rows on CPUs "
+        "with AVX512-VNNI: W4A8)" in (header)
     )
     header = describe(_info(EngineConfig(quantization="int8", int8_activations=True)))
-    assert "from 4 rows on CPUs with AVX512-VNNI: W8A8)" in header
+    assert (
+        f"from {INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS} rows on CPUs with AVX512-VNNI: W8A8)" in header
+    )
 
 
 def test_info_fields_are_what_engine_info_reads():

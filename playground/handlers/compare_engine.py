@@ -121,7 +121,7 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"quantization": "awq", "quantize_lm_head": False, "max_num_seqs": 1},
         {"quantization": "awq", "quantize_lm_head": True, "max_num_seqs": 1},
     ),
-    # CPU (AVX512-VNNI): from 12 rows each int4 layer's input is rounded to int8 and multiplied
+    # CPU (AVX512-VNNI): from 6 rows each int4 layer's input is rounded to int8 and multiplied
     # with integer dot products; a batch of 32 decodes, and every prefill, takes that path.
     INT8_ACTIVATIONS_PRESET: (
         {"quantization": "int4", "int8_activations": False, "max_num_seqs": 32},
@@ -282,7 +282,7 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # One request at a time: the head's bytes are a share of every step's read; the perplexity
     # and same-tokens rows show what the 4-bit head costs.
     LM_HEAD_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
-    # 32 requests at once: every decode step multiplies 32 rows per layer, past the 12-row
+    # 32 requests at once: every decode step multiplies 32 rows per layer, past the 6-row
     # switch, where the int8 products run twice the multiply-adds per instruction. Measured by
     # benchmarks.quant at batch 64 (docs/measurements/quantization.md): decode x1.18-1.28 (int4,
     # two runs); the perplexity and same-tokens rows show the activations' rounding.

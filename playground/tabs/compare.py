@@ -12,7 +12,11 @@ from typing import Any
 import gradio as gr
 import plotly.graph_objects as go
 
-from engine.config import literal_choices
+from engine.config import (
+    INT8_ACTIVATIONS_MIN_ROWS,
+    INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
+    literal_choices,
+)
 from playground.context import AppContext
 from playground.figures.blocks import block_map_figure
 from playground.figures.latency import (
@@ -109,7 +113,8 @@ def _side_form(name: str, values: dict) -> dict:
     )
     parts["int8_activations"] = gr.Checkbox(
         value=values["int8_activations"],
-        label="Quantized weights: int8 activations (W8A8 / W4A8 from 4 / 12 rows: batched decode "
+        label="Quantized weights: int8 activations (W8A8 / W4A8 from "
+        f"{INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS} / {INT8_ACTIVATIONS_MIN_ROWS} rows: batched decode "
         "and prefill multiply bytes with AVX512-VNNI; batch-1 decode stays weight-only)",
     )
     parts["prepack_weights"] = gr.Checkbox(
