@@ -284,8 +284,8 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     LM_HEAD_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     # 32 requests at once: every decode step multiplies 32 rows per layer, past the 6-row
     # switch, where the int8 products run twice the multiply-adds per instruction. Measured by
-    # benchmarks.quant at batch 64 (docs/measurements/quantization.md): decode x1.18-1.28 (int4,
-    # two runs); the perplexity and same-tokens rows show the activations' rounding.
+    # benchmarks.quant at batch 64 (docs/measurements/quantization.md): decode x1.18-1.30 (int4,
+    # three runs); the perplexity and same-tokens rows show the activations' rounding.
     INT8_ACTIVATIONS_PRESET: PresetDefaults(
         "Output token throughput (tok/s)",
         {
