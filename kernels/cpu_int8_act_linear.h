@@ -148,8 +148,8 @@ inline void unpack_half(const uint8_t* block, const uint32_t* scale_zero, int64_
 
 // acc += u . x per 32-bit lane (4 unsigned x signed byte products), x one 32-bit word
 // broadcast from memory. In inline assembly (INT8_ACT_INTRINSIC: the intrinsic) because GCC 12
-// copies accumulators between registers around the intrinsic: 2-4% slower per layer
-// (gate_up and down shapes at 64 rows, 2-core EPYC, 2026-12-06).
+// copies accumulators between registers around the intrinsic: 1-4% slower per layer
+// (gate_up and down shapes at 64 rows, 2-core EPYC, 2026-12-06, at two versions of the tile).
 __attribute__((always_inline)) inline void dot_bytes(__m512i& acc, __m512i u, const int8_t* x) {
 #if defined(INT8_ACT_INTRINSIC)
   int32_t word;
