@@ -179,3 +179,13 @@ def test_chunked_prefill_with_int8_activations_scores_like_weight_only():
     got = torch.tensor([lp.logprob for lp in got if lp])
     assert got.shape == ref.shape == (len(PROMPT) - 1,)
     assert (got - ref).abs().mean().item() < 0.1 * ref.abs().mean().item()
+
+
+def test_without_the_cpp_kernels_it_warns_and_stays_weight_only(caplog):
+    """fused_ops=False (the torch "before"; on CUDA the Triton kernels): no W8A8 there, said
+    in the log, and nothing claims it ran."""
+    with caplog.at_level("WARNING", logger="engine.runner.model_build"):
+        llm = LLM(**{**ENGINE, "fused_ops": False}, quantization="int4", int8_activations=True)
+    assert "int8_activations: runs with the C++ CPU kernels only" in caplog.text
+    assert llm.engine.runner.quant_summary.int8_activations_min_rows == 0
+    assert llm.stats().matmul_dtype == "bfloat16"

@@ -97,6 +97,11 @@ def _share_cpu_kernels(
     int8 activations from INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS / INT8_ACTIVATIONS_MIN_ROWS rows,
     where this CPU has the W8A8 / W4A8 kernels (else a warning)."""
     if not isinstance(ops, CpuFusedOps):
+        if int8_activations:
+            logger.warning(
+                "int8_activations: runs with the C++ CPU kernels only (fused_ops on a CPU); "
+                "the weights stay weight-only here"
+            )
         return summary
     # 0 stays 0: no weight-only kernel here (aten's int4 layout differs), always dequantize.
     rows = CPU_FUSED_DEQUANT_MIN_ROWS if summary.dequant_min_rows else 0
