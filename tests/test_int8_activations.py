@@ -153,6 +153,9 @@ def test_the_roofline_takes_the_int8_roof_where_it_has_one():
     # peak, said so.
     dtype, note = roof_dtype(PRESETS["H200"], "int8", "bfloat16")
     assert dtype == "bfloat16" and note.startswith("**No int8 peak in this roof**")
+    assert "Re-measure" not in note  # a datasheet roof
+    old = DeviceCeilings("cpu", {"bfloat16": 4e11}, 5e10, True, "measured before int8")
+    assert "(Re-measure adds it)" in roof_dtype(old, "int8", "bfloat16")[1]
 
 
 def test_engine_stats_name_the_matmul_dtype():

@@ -184,9 +184,10 @@ def roof_dtype(ceilings: DeviceCeilings, dtype: str, fallback: str) -> tuple[str
                 f"{fallback}."
             )
         return dtype, ""
+    how = " (Re-measure adds it)" if ceilings.measured else ""
     return fallback, (
-        f"**No {dtype} peak in this roof** ({ceilings.source.split(';')[0]}): drawn with the "
-        f"{fallback} peak, lower than what the {dtype} products reach; Re-measure adds it."
+        f"**No {dtype} peak in this roof** ({ceilings.source.split(';')[0]}){how}: drawn with "
+        f"the {fallback} peak, which the {dtype} products can run above."
     )
 
 
