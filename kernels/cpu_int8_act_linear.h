@@ -168,10 +168,9 @@ __attribute__((always_inline)) inline void dot_bytes(__m512i& acc, __m512i u, co
 // a fifth of the time at 64 rows).
 template <int MR>
 void tile(const HalfBlock& b, const QuantizedRows& x, int64_t group, int64_t m0,
-          c10::BFloat16* out, int64_t N, const int64_t (&cols)[2], const char* ahead,
-          int64_t ahead_lines) {
-  const int64_t K = x.K, steps = K / 4;
-  const int64_t lines_per_step = (ahead_lines + steps - 1) / steps;
+          c10::BFloat16* out, int64_t N, const int64_t (&cols)[2],
+          const cpu_simd::NextBlockShare& ahead) {
+  const int64_t K = x.K, per_step = ahead.lines_per(K / 4);
   const int8_t* rows[MR];
   for (int m = 0; m < MR; ++m) rows[m] = x.xq.data() + (m0 + m) * K;
   __m512 total[MR][2];
@@ -182,9 +181,7 @@ void tile(const HalfBlock& b, const QuantizedRows& x, int64_t group, int64_t m0,
     for (int m = 0; m < MR; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
     const int64_t k_end = (g + 1) * group;
     for (int64_t k = g * group; k < k_end; k += 4, u += 2) {
-      for (int64_t i = 0; i < lines_per_step; ++i, --ahead_lines, ahead += 64) {
-        if (ahead_lines > 0) __builtin_prefetch(ahead, 0, 2);  // locality 2: prefetcht1
-      }
+      ahead.at_step(k / 4, per_step);
       const __m512i w0 = u[0], w1 = u[1];
       for (int m = 0; m < MR; ++m) {
         dot_bytes(dot[m][0], w0, rows[m] + k);
@@ -222,7 +219,7 @@ inline void all_rows(const HalfBlock& b, const QuantizedRows& x, int64_t group, 
     const cpu_simd::NextBlockShare ahead = cpu_simd::next_block_share(
         static_cast<const char*>(next), next_bytes, m0 / TILE_M, tiles);
     const auto run = [&](auto rows) {
-      tile<decltype(rows)::value>(b, x, group, m0, out, N, cols, ahead.ahead, ahead.lines);
+      tile<decltype(rows)::value>(b, x, group, m0, out, N, cols, ahead);
     };
     switch (M - m0 < TILE_M ? M - m0 : TILE_M) {
       case 6: run(std::integral_constant<int, 6>{}); break;
@@ -318,8 +315,8 @@ inline void linear_int4(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, i
       [&](int64_t n0, int h, HalfBlock& b) {
         unpack_half(packed + n0 * K / 2, sz + n0, N, K, groups, h, b);
         // The next item's (s, zf) pairs: a group's are N pairs apart, so each of its two
-        // 64-byte runs is a line of its own, and waiting on them one by one cost ~10% of a
-        // 64-row call (perf: the unpacking's scale loop stalled on its loads).
+        // 64-byte runs is a line of its own; without this, perf put ~7% of a 64-row pass's
+        // samples on the unpacking's scale loop, stalled on those loads.
         const int64_t next0 = h == 0 ? n0 : n0 + BLOCK_ROWS;
         if (next0 < N) {
           const int next_h = 1 - h;

@@ -195,6 +195,13 @@ struct NextBlockShare {
   __attribute__((always_inline)) void at_step(int64_t step) const {
     if (step < lines) __builtin_prefetch(ahead + step * 64, 0, 2);  // locality 2: prefetcht1
   }
+  // Lines per step for a loop of `steps` steps to request the whole share (one, where the
+  // share has no more lines than the loop has steps).
+  int64_t lines_per(int64_t steps) const { return lines > steps ? (lines + steps - 1) / steps : 1; }
+  // Step `step` of such a loop: lines step * per .. step * per + per - 1.
+  __attribute__((always_inline)) void at_step(int64_t step, int64_t per) const {
+    for (int64_t i = step * per; i < step * per + per; ++i) at_step(i);
+  }
 };
 
 // Tile `tile` of `tiles`' share of the next block's `next_bytes` at `next` (none if nullptr).
