@@ -83,8 +83,11 @@ class QuantLinear(nn.Module):
         self.chunk_rows = self._chunk_rows()
 
     def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
-        """Run the C++ ops where they take this layer's shape (decided once, not per call)."""
+        """Run the C++ ops where they take this layer's shape (decided once, not per call);
+        weight-only until use_int8_activations."""
         self.cpu_kernels = kernels if kernels is not None and self.cpu_kernels_fit() else None
+        self.few_rows = None
+        self.int8_activations_min_rows = 0
 
     def cpu_kernels_fit(self) -> bool:
         """Whether the C++ ops take this layer's shape."""
@@ -189,16 +192,12 @@ class Int8Linear(QuantLinear):
 
     def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
         super().use_cpu_kernels(kernels)
-        self.few_rows = None
-        self.int8_activations_min_rows = 0
         if self.cpu_kernels is not None and self.weight_only_kernel == "cpu":
             self.few_rows = self._few_rows_call()
 
     def _few_rows_call(self):
         kernel, qweight, scales = self.cpu_kernels.int8_linear, self.qweight, self.scales
         a8_rows = self.int8_activations_min_rows
-        if a8_rows == 0:
-            return lambda x: kernel(x, qweight, scales)
         return lambda x: kernel(x, qweight, scales, a8_rows)
 
     def step_linear(self) -> object | None:
@@ -273,8 +272,6 @@ class Int4Linear(QuantLinear):
         super().use_cpu_kernels(kernels)
         # The C++ few-rows kernel takes bfloat16 on CPUs with AVX512-BF16 and VBMI; float32
         # and float16 models (and other CPUs) keep aten's.
-        self.few_rows = None
-        self.int8_activations_min_rows = 0
         if (
             self.cpu_kernels is not None
             and self.weight_only_kernel == "cpu"
@@ -288,8 +285,6 @@ class Int4Linear(QuantLinear):
     def _few_rows_call(self):
         kernel, packed, params = self.cpu_kernels.int4_linear, self.packed, self.scale_and_zero
         group_size, a8_rows = self.group_size, self.int8_activations_min_rows
-        if a8_rows == 0:
-            return lambda x: kernel(x, packed, params, group_size)
         return lambda x: kernel(x, packed, params, group_size, a8_rows)
 
     def step_linear(self) -> object | None:
