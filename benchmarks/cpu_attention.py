@@ -6,7 +6,7 @@
 The paged cache is the torch backend's head-major one ([Hkv, blocks, 16, D], shuffled blocks),
 with SmolLM2's shape by default (9 query heads, 3 KV heads, head_dim 64). As in a decode step,
 each timed call runs --layers layers in turn, each over its own cache allocated the way the
-engine allocates its pool (transparent huge pages, engine/runner/attention/host_memory.py), and
+engine allocates its pool (transparent huge pages, engine/runner/host_memory.py), and
 the per-layer time is the call's over the layer count: one layer's 20 MB timed again and again
 would sit in a 32 MB L3 that a real step, reading 30 layers' caches, never has. Timed, per layer,
 store excluded (every path stores the same way):
@@ -55,9 +55,9 @@ import torch.nn.functional as F
 from benchmarks.common import emit
 from engine.core.block_manager import BlockManager, cdiv
 from engine.runner.attention.base import AttentionInputs
-from engine.runner.attention.host_memory import zeros_in_huge_pages
 from engine.runner.attention.kv_quant import LayerKVCache
 from engine.runner.attention.torch_backend import TorchBackend, _gather, decode_attention
+from engine.runner.host_memory import zeros_in_huge_pages
 from engine.telemetry.ceilings import measure_bandwidth
 from kernels.cpu_attention import load_extension, paged_attention_decode_cpu
 

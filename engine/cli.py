@@ -88,6 +88,8 @@ FLAG_HELP: dict[str, str] = {
     "instead of 3-12 torch ops: C++ on CPU (the torch ops, with a warning, without a C++ "
     "compiler), Triton on CUDA; "
     "--no-fused-ops for the before",
+    "huge_pages": "CPU on Linux: the weights and the KV pool in 2 MiB transparent huge pages "
+    "(fewer TLB misses when a step streams them); --no-huge-pages for the before",
     "num_threads": "CPU torch threads (default: all cores)",
     "step_history_len": "engine steps kept for the live charts",
     "request_history_len": "finished requests kept for the latency charts",

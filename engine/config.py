@@ -133,6 +133,9 @@ class EngineConfig:
     # torch ops: C++ on CPU, Triton on CUDA (engine/runner/models/layer_ops.py). False is the
     # "before".
     fused_ops: bool = True
+    # CPU on Linux: the weights and the KV pool in 2 MiB transparent huge pages (fewer TLB
+    # misses when a step streams them; engine/runner/host_memory.py). False is the "before".
+    huge_pages: bool = True
     num_threads: int | None = None  # CPU torch threads; None = all cores
 
     # --- telemetry ---
@@ -201,6 +204,7 @@ class EngineConfig:
             "calculate_kv_scales",
             "prepack_weights",
             "fused_ops",
+            "huge_pages",
         ):
             if not isinstance(getattr(self, name), bool):  # "no" would read as True
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")

@@ -1,18 +1,24 @@
-"""The KV pool's host memory is advised into transparent huge pages on Linux (host_memory.py):
-scattered block reads then miss the TLB far less."""
+"""The KV pool and the weights go into transparent huge pages on Linux (host_memory.py):
+scattered block reads and weight streams then miss the TLB far less; huge_pages=False is the
+before."""
 
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from engine.runner.attention.host_memory import (
+from engine.llm import LLM
+from engine.request import SamplingParams
+from engine.runner.attention.torch_backend import TorchBackend
+from engine.runner.host_memory import (
     HUGE_PAGE_BYTES,
     advise_huge_pages,
+    place_weights_in_huge_pages,
     zeros_in_huge_pages,
 )
-from engine.runner.attention.torch_backend import TorchBackend
+from engine.runner.quant.linear import QuantLinear
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_thp = pytest.mark.skipif(
@@ -53,3 +59,110 @@ def test_the_kv_pool_is_advised_into_huge_pages():
     # A plain allocation of the same size is not: the advice is what the pool adds.
     plain = torch.zeros(layer.key.numel(), dtype=torch.bfloat16)
     assert "hg" not in vm_flags(plain.data_ptr() + plain.numel())
+
+
+class TiedModel(nn.Module):
+    """An embedding tied to its head (4 MiB of float32), a norm, a buffer and two buffers
+    sharing one storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4096, 256)
+        self.norm = nn.LayerNorm(256)
+        self.head = nn.Linear(256, 4096, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("table", torch.arange(1000, dtype=torch.float32))
+        both = torch.arange(64, dtype=torch.int64)
+        self.register_buffer("first_half", both[:32])
+        self.register_buffer("second_half", both[32:])
+
+
+def _end(t: torch.Tensor) -> int:
+    return t.data_ptr() + t.numel() * t.element_size()
+
+
+def test_weights_move_into_one_buffer_and_keep_their_values():
+    torch.manual_seed(0)
+    model = TiedModel()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    embed_param, shared_ptr = model.embed.weight, model.first_half.data_ptr()
+    moved = place_weights_in_huge_pages(model)
+    if moved == 0:
+        pytest.skip("the kernel did not take MADV_HUGEPAGE here")
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    # The same Parameter object, still tied; the storage-sharing pair is left alone.
+    assert model.embed.weight is embed_param and model.head.weight is embed_param
+    assert model.first_half.data_ptr() == shared_ptr
+    # Every moved tensor lies in one buffer of `moved` bytes (4 MiB + the small ones).
+    inside = [model.embed.weight, model.norm.weight, model.norm.bias, model.table]
+    lo, hi = min(t.data_ptr() for t in inside), max(_end(t) for t in inside)
+    assert hi - lo <= moved and moved >= model.embed.weight.numel() * 4
+
+
+def test_a_model_under_one_huge_page_stays_where_it_is():
+    model = nn.Linear(64, 64)
+    ptr = model.weight.data_ptr()
+    assert place_weights_in_huge_pages(model) == 0 and model.weight.data_ptr() == ptr
+
+
+@needs_thp
+def test_moved_weights_are_advised_into_huge_pages():
+    model = TiedModel()
+    assert place_weights_in_huge_pages(model) > 0
+    weight = model.embed.weight
+    assert "hg" in vm_flags(weight.data_ptr() + weight.numel() * weight.element_size() // 2)
+
+
+ENGINE = dict(
+    model="random:tiny", dtype="bfloat16", max_model_len=128, num_kv_blocks=48, block_size=8,
+    quantization_group_size=32,
+)  # fmt: skip
+
+
+@needs_thp
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_engine_runs_the_same_with_and_without_huge_pages(quantization):
+    engine = {**ENGINE, "num_kv_blocks": 4096}  # a pool of 8 MiB: whole huge pages
+    on = LLM(**engine, quantization=quantization)  # huge_pages=True: the default
+    off = LLM(**engine, quantization=quantization, huge_pages=False)
+    assert on.engine.runner.weight_huge_page_bytes > 0
+    assert off.engine.runner.weight_huge_page_bytes == 0
+    pool_on = on.engine.runner.kv_caches[0].key
+    # The pool's middle (it is [layers=2, K/V, ...]: layer 0's K is its first quarter). Off,
+    # the pool is plain torch.zeros (the test below); its mapping may still carry an earlier
+    # allocation's advice when the allocator reuses memory, so that is not checked here.
+    assert "hg" in vm_flags(pool_on.data_ptr() + 2 * pool_on.numel() * 2)
+    assert on.engine.runner.attn_backend.host_huge_pages
+    assert not off.engine.runner.attn_backend.host_huge_pages
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [(37 * i) % 900 + 3 for i in range(20)]
+    assert on.generate([prompt], params)[0].token_ids == off.generate([prompt], params)[0].token_ids
+
+
+@needs_thp
+def test_quantized_layers_read_their_moved_weights():
+    """The few-row calls are bound before the move (use_cpu_kernels); finish_weights re-binds
+    them, so a change to a layer's current tensor shows in its output."""
+    llm = LLM(**ENGINE, quantization="int4")
+    assert llm.engine.runner.weight_huge_page_bytes > 0
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    bound = [m for m in layers if m.few_rows is not None]
+    if not bound:
+        pytest.skip("no C++ few-row kernel on this CPU")
+    x = torch.randn(1, bound[0].in_features).bfloat16()
+    with torch.inference_mode():
+        before = bound[0](x)
+        bound[0].packed.fill_(0x88)  # every weight at its zero point
+        assert not torch.equal(bound[0](x), before)
+
+
+def test_without_huge_pages_the_pool_is_plain_zeros(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("huge_pages=False advised the pool")
+
+    monkeypatch.setattr("engine.runner.attention.base.zeros_in_huge_pages", refuse)
+    backend = TorchBackend(3, 64, 16, torch.bfloat16, torch.device("cpu"))
+    backend.host_huge_pages = False
+    layer = backend.allocate_kv_caches(num_layers=2, num_blocks=64)[0]
+    assert layer.key.shape[1] == 64 and not layer.key.any()

@@ -28,11 +28,10 @@ from engine.core.detokenizer import token_slice
 from engine.core.scheduler import ScheduledRequest
 from engine.request import Request
 from engine.runner.attention.base import AttentionBackend, AttentionInputs, slots_of
-from engine.runner.model_build import WeightFormat, build_model
+from engine.runner.model_build import WeightFormat, build_model, finish_weights
 from engine.runner.model_loader import ModelSource, load_tokenizer, resolve_model
 from engine.runner.models.layer_ops import TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
-from engine.runner.models.prepack import can_prepack, prepack_linears
 from engine.runner.quant import QuantSummary
 from engine.runner.sampler import draw_tokens, greedy_tokens, logits_to_probs
 
@@ -118,11 +117,9 @@ class DraftModel:
             source, max_model_len, self.attn_backend, backend.device, backend.dtype, fmt, ops,
             field="speculative_quantization",
         )  # fmt: skip
-        if config.prepack_weights and can_prepack(backend.device, backend.dtype):
-            # Its 16-bit linears, as the target's (prepack.py).
-            prepack_linears(self.model, ops.kernels)
-        if not config.enforce_eager:  # the weights are final (as the target's)
-            self.model.bind_few_row_calls()
+        self.attn_backend.host_huge_pages = backend.host_huge_pages
+        # Prepacked 16-bit linears, huge pages, bound kernel calls: as the target's.
+        finish_weights(self.model, config, backend.device, backend.dtype, ops.kernels)
         self.kv_caches: list = []  # allocate() fills it once the pool is sized
         # The last propose()'s forward passes, for the cost model: per pass (new tokens per
         # row, context per row after the pass, rows through the LM head).

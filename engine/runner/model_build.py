@@ -1,5 +1,6 @@
 """Build a LlamaForCausalLM from a ModelSource: meta-device construction, weights (a Hugging
-Face folder, an AutoAWQ checkpoint or random), then optional weight-only quantization.
+Face folder, an AutoAWQ checkpoint or random), then optional weight-only quantization, and
+the load's last steps (finish_weights: prepacking, huge pages, bound kernel calls).
 
 Shared by the target model (ModelRunner) and the speculative draft model (DraftModel), so
 both load any spec the loader takes in the same way.
@@ -9,15 +10,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from types import ModuleType
 
 import torch
 
-from engine.config import INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
+from engine.config import (
+    INT8_ACTIVATIONS_MIN_ROWS,
+    INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
+    EngineConfig,
+)
 from engine.runner.attention.base import AttentionBackend
+from engine.runner.host_memory import place_weights_in_huge_pages
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
-from engine.runner.models.prepack import cpu_has_amx
+from engine.runner.models.prepack import can_prepack, cpu_has_amx, prepack_linears
 from engine.runner.quant import QuantSummary, load_awq, quantize_model
 from engine.runner.quant.apply import (
     CPU_AMX_DEQUANT_MIN_ROWS,
@@ -85,6 +92,38 @@ def build_model(
         )
         summary = _share_cpu_kernels(model, ops, summary, fmt.int8_activations)
     return model, summary
+
+
+@dataclass(frozen=True)
+class FinishedWeights:
+    num_prepacked_linears: int  # 16-bit linears packed for oneDNN (0: off or not possible)
+    huge_page_bytes: int  # weight bytes moved into huge pages (0: off, GPU, or not offered)
+
+
+def finish_weights(
+    model: LlamaForCausalLM,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: ModuleType | None,
+) -> FinishedWeights:
+    """A load's last steps, the same for the target and the draft model, in this order: the
+    16-bit linears packed for oneDNN (prepack.py; prepack_weights), the CPU weights moved into
+    huge pages (host_memory.py; huge_pages), then, the tensors final, the quantized layers'
+    few-row calls re-bound and the decoder's direct kernel calls bound (not with
+    enforce_eager). `kernels`: the C++ ops module when the model runs it."""
+    packed = 0
+    if config.prepack_weights and can_prepack(device, dtype):
+        packed = prepack_linears(model, kernels)
+    moved = 0
+    if config.huge_pages and device.type == "cpu":
+        moved = place_weights_in_huge_pages(model)
+        for module in model.modules():
+            if moved and isinstance(module, QuantLinear):
+                module.rebind_few_rows()
+    if not config.enforce_eager:
+        model.bind_few_row_calls()
+    return FinishedWeights(packed, moved)
 
 
 def _share_cpu_kernels(

@@ -26,11 +26,11 @@ from engine.runner.attention.base import AttentionBackend, AttentionInputs, slot
 from engine.runner.cuda_graphs import CudaGraphRunner
 from engine.runner.draft_model import Draft, DraftModel, resolve_draft_source
 from engine.runner.logprobs import add_logprobs, prompt_logit_rows
-from engine.runner.model_build import WeightFormat, build_model
+from engine.runner.model_build import WeightFormat, build_model, finish_weights
 from engine.runner.model_loader import ModelSource
 from engine.runner.models.layer_ops import make_layer_ops
 from engine.runner.models.llama import LlamaForCausalLM
-from engine.runner.models.prepack import PrepackedLinear, can_prepack, prepack_linears
+from engine.runner.models.prepack import PrepackedLinear
 from engine.runner.onednn_cache import bound_onednn_caches
 from engine.runner.quant import QuantSummary
 from engine.runner.quant.linear import QuantLinear
@@ -90,13 +90,14 @@ class ModelRunner:
         )
         if self.fused_ops_fallback:
             logger.warning("fused_ops: the torch ops run instead: %s", self.fused_ops_fallback)
+        self.attn_backend.host_huge_pages = config.huge_pages
         self.model = self._load_model(source)
-        # Linear layers packed for oneDNN (CPU, 16-bit); 0 when off or not possible here.
-        self.num_prepacked_linears = 0
-        if config.prepack_weights and can_prepack(self.device, self.dtype):
-            self.num_prepacked_linears = prepack_linears(self.model, self.layer_ops.kernels)
-        if not config.enforce_eager:  # the weights are final: decode calls the kernels
-            self.model.bind_few_row_calls()
+        # Prepacked 16-bit linears (CPU), the weights in huge pages, the kernel calls bound.
+        finished = finish_weights(
+            self.model, config, self.device, self.dtype, self.layer_ops.kernels
+        )
+        self.num_prepacked_linears = finished.num_prepacked_linears  # 0: off or not possible
+        self.weight_huge_page_bytes = finished.huge_page_bytes
         # speculative_method="draft": the second model, its KV counted in the pool's budget.
         self.drafter: DraftModel | None = None
         if config.speculative_method == "draft":

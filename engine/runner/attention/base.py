@@ -21,13 +21,13 @@ from typing import ClassVar
 
 import torch
 
-from engine.runner.attention.host_memory import zeros_in_huge_pages
 from engine.runner.attention.kv_quant import (
     SCALE_DTYPES,
     LayerKVCache,
     calculate_fp8_scale_,
     storage_dtype,
 )
+from engine.runner.host_memory import plain_zeros, zeros_in_huge_pages
 
 
 def slots_of(block_table: list[int], positions: Iterable[int], block_size: int) -> list[int]:
@@ -131,6 +131,8 @@ class AttentionBackend(ABC):
         self.device = device
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_storage_dtype = storage_dtype(kv_cache_dtype, dtype)
+        # CPU: the pool in transparent huge pages (EngineConfig.huge_pages; the runner sets it).
+        self.host_huge_pages = True
         # fp8: scales from each layer's first stored batch (kv_quant.py), per layer or head.
         self.calculate_kv_scales = calculate_kv_scales
         self.kv_scales_per_head = kv_scale_granularity == "head"
@@ -172,7 +174,8 @@ class AttentionBackend(ABC):
         """Zeroed K/V (and scale) tensors for every layer: one [layers, 2, ...] tensor each,
         so the pool's bytes are two allocations whatever the layer count."""
         # Huge pages on CPU: attention reads the pool in scattered pieces (host_memory.py).
-        data = zeros_in_huge_pages(
+        zeros = zeros_in_huge_pages if self.host_huge_pages else plain_zeros
+        data = zeros(
             (num_layers, 2, *self.kv_cache_shape(num_blocks)), self.kv_storage_dtype, self.device
         )
         scale_shape = self.kv_scale_shape(num_blocks)

@@ -109,6 +109,12 @@ class QuantLinear(nn.Module):
         """The C++ few-rows call with this layer's tensors (and int8 activations) bound."""
         raise NotImplementedError
 
+    def rebind_few_rows(self) -> None:
+        """Bind the few-rows call to the layer's current tensors, after they moved
+        (host_memory.place_weights_in_huge_pages); the old call would read the old copies."""
+        if self.few_rows is not None:
+            self.few_rows = self._few_rows_call()
+
     def _chunk_rows(self) -> int:
         """Output rows dequantized at once: all, or what fits the scratch (whole int4 blocks)."""
         fit = self.scratch.num_elements // self.in_features
