@@ -166,3 +166,22 @@ def test_without_huge_pages_the_pool_is_plain_zeros(monkeypatch):
     backend.host_huge_pages = False
     layer = backend.allocate_kv_caches(num_layers=2, num_blocks=64)[0]
     assert layer.key.shape[1] == 64 and not layer.key.any()
+
+
+def test_compare_preset_switches_huge_pages():
+    from engine import EngineConfig
+    from playground.handlers.compare_engine import (
+        HUGE_PAGES_PRESET,
+        PRESET_DEFAULTS,
+        preset_sides,
+        side_config,
+        side_label,
+    )
+
+    a, b = preset_sides(HUGE_PAGES_PRESET)
+    base = EngineConfig(model="random:tiny", dtype="bfloat16")
+    side_a, side_b = (side_config(base, s, 1024, 256, head_dim=64) for s in (a, b))
+    assert side_a.huge_pages is False and side_b.huge_pages is True
+    assert side_a.quantization == side_b.quantization == "int4"
+    assert side_label("B", b, a) == "B: huge_pages=True"
+    assert PRESET_DEFAULTS[HUGE_PAGES_PRESET].headline == "Mean TPOT (ms)"

@@ -42,6 +42,7 @@ SIDE_FIELDS = (
     "prepack_weights",
     "fused_ops",
     "enforce_eager",
+    "huge_pages",
 )
 BLOCK_SIZES = (8, 16, 32, 64)
 DEFAULT_SIDE: dict[str, Any] = {
@@ -60,12 +61,14 @@ DEFAULT_SIDE: dict[str, Any] = {
     "prepack_weights": True,
     "fused_ops": True,
     "enforce_eager": False,
+    "huge_pages": True,
 }
 PREPACK_PRESET = "bf16 weights reordered per matmul vs prepacked"
 FUSED_OPS_PRESET = "norm/RoPE/SiLU as torch ops vs fused kernels (C++ / Triton)"
 EAGER_PRESET = (
     "products through nn.Module vs direct kernel calls and the one-call C++ step (enforce_eager)"
 )
+HUGE_PAGES_PRESET = "int4 weights and KV in 4 KiB pages vs 2 MiB huge pages (CPU)"
 KV_QUANT_PRESET = "KV 16-bit vs int8 at the same memory budget"
 N_SHARING_PRESET = "n=4 with vs without prompt sharing"
 AWQ_PRESET = "int4 RTN vs AWQ weights (after bf16 vs int4)"
@@ -145,6 +148,12 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     EAGER_PRESET: (
         {"enforce_eager": True, "max_num_seqs": 1},
         {"enforce_eager": False, "max_num_seqs": 1},
+    ),
+    # CPU on Linux: a batch-1 step streams every weight once; in 4 KiB pages each page costs
+    # a TLB miss and restarts the hardware prefetcher (engine/runner/host_memory.py).
+    HUGE_PAGES_PRESET: (
+        {"quantization": "int4", "huge_pages": False, "max_num_seqs": 1},
+        {"quantization": "int4", "huge_pages": True, "max_num_seqs": 1},
     ),
     KV_QUANT_PRESET: ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "int8"}),
     # 16 slots: the 4 prompts' 4 samples all run at once on both sides.
@@ -307,6 +316,9 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     # The same workload; the same kernels with the same arguments on both sides, so "Same
     # tokens as A" holds (tested) and TPOT shows only the dispatch.
     EAGER_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
+    # The same workload; the same kernels on the same values, only the pages differ, so "Same
+    # tokens as A" holds (tested).
+    HUGE_PAGES_PRESET: PresetDefaults("Mean TPOT (ms)", QUANT_WORKLOAD),
     # Long contexts: 8 requests of 224 + 32 tokens need 128 blocks of 16. The 1152-token
     # budget is 72 blocks in bfloat16 (4 requests at a time: the rest wait or are preempted)
     # and 139 in int8 (1 byte + a 2-byte scale per 64 values: 1.94x), so all 8 run at once.
@@ -433,6 +445,7 @@ def side_config(
         prepack_weights=bool(side.get("prepack_weights", True)),
         fused_ops=bool(side.get("fused_ops", True)),
         enforce_eager=bool(side.get("enforce_eager", False)),
+        huge_pages=bool(side.get("huge_pages", True)),
         speculative_method=method,
         speculative_quantization=COMPARE_DRAFT_QUANTIZATION
         if method == "draft"
