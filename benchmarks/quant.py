@@ -35,7 +35,7 @@ import time
 
 from benchmarks.common import bench_parser, config_report, emit
 from engine.cli import config_from_args
-from engine.config import EngineConfig
+from engine.config import ANY_ROWS, EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 
@@ -101,6 +101,10 @@ def time_round(llm: LLM, batch: list[list[int]], output_len: int) -> dict:
     }
 
 
+def dequant_rows(rows: int) -> int | str:
+    return "never" if rows == ANY_ROWS else rows
+
+
 def describe(llm: LLM, config: EngineConfig, rounds: list[dict], output_len: int) -> dict:
     """A format's report: its weights, the median of its rounds (each round's values listed
     too), and its greedy tokens on TEXT_PROMPTS (for agreement)."""
@@ -121,7 +125,9 @@ def describe(llm: LLM, config: EngineConfig, rounds: list[dict], output_len: int
         "weight_bytes": runner.weight_bytes,
         "linear_bytes_per_param": round(runner.linear_bytes_per_param or runner.dtype.itemsize, 4),
         "bytes_read_per_step": int(llm.engine.shape.weight_bytes),
-        "dequant_min_rows": summary.dequant_min_rows if summary else None,
+        # From this many rows dequantize + 16-bit GEMM ("never": int8 activations, the C++
+        # kernel takes every row count)
+        "dequant_min_rows": dequant_rows(summary.dequant_min_rows) if summary else None,
         "batch1_tpot_ms": median("batch1_tpot_ms", 2),
         "batch64_decode_tokens_per_s": median("batch64_decode_tokens_per_s", 1),
         "batch64_decode_steps": rounds[-1]["batch64_decode_steps"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import typing
 from dataclasses import dataclass
 from typing import Literal
@@ -52,6 +53,10 @@ INT8_ACTIVATIONS_MIN_ROWS = 6
 # 4.53-5.06, 3 rows 6.69-6.81 / 6.40-7.10, 4 rows 6.54-6.90 / 8.66-8.72, 8 rows 7.02-8.77 /
 # 10.48-11.58, 64 rows 23.94-33.28 / 35.39-45.43 (bf16 34.79-37.93; the host's two modes).
 INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS = 4
+# A row limit that admits every step (not a count: compare with ==). With int8 activations a
+# quantized layer multiplies any number of rows in its C++ kernel: its dequant_min_rows (never
+# dequantize + GEMM) and its few-row call's limit, and then the C++ decode step's.
+ANY_ROWS = sys.maxsize
 
 # On CPU the KV cache is sized from a byte budget: 1 GiB holds ~45k tokens of SmolLM2-135M in
 # bfloat16 (30 layers x 3 KV heads x 64 dims x 2 (K,V) x 2 bytes = 23 KiB per token).

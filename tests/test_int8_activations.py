@@ -9,8 +9,9 @@ import pytest
 import torch
 from fused_close import int4_weight
 
+from benchmarks import quant as bench_quant
 from engine import LLM, EngineConfig, SamplingParams
-from engine.config import INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
+from engine.config import ANY_ROWS, INT8_ACTIVATIONS_MIN_ROWS, INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS
 from engine.runner.models.prepack import cpu_has_amx
 from engine.runner.quant.formats import quantize_int8
 from engine.runner.quant.linear import QuantLinear
@@ -166,6 +167,11 @@ def test_engine_stats_name_the_matmul_dtype():
     a8 = LLM(**ENGINE, quantization="int4", int8_activations=True)
     assert a8.stats().matmul_dtype == "int8"
     assert "every step in one C++ call" in a8.stats().layer_ops
+    # Every row count: the layers' few-row limit, the decode step's, and bench-quant's field.
+    layers = [m for m in a8.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert all(m.dequant_min_rows == m.few_rows_max == ANY_ROWS for m in layers)
+    assert a8.engine.runner.model.decode_step.max_rows == ANY_ROWS
+    assert bench_quant.dequant_rows(ANY_ROWS) == "never" and bench_quant.dequant_rows(65) == 65
 
 
 def test_chunked_prefill_with_int8_activations_scores_like_weight_only():

@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ANY_ROWS, EngineConfig
 from engine.core.block_manager import cdiv
 from engine.core.detokenizer import token_slice
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -492,7 +491,7 @@ class ModelRunner:
             return f"torch (fused ops unavailable: {self.fused_ops_fallback})"
         step = self.model.decode_step  # built only with the C++ ops (models/decode_step.py)
         if step is not None:
-            if step.max_rows >= sys.maxsize // 2:  # every quantized product takes any rows
+            if step.max_rows == ANY_ROWS:  # every product takes any rows (int8 activations)
                 return "cpu (fused C++ ops; every step in one C++ call)"
             return f"cpu (fused C++ ops; steps of <= {step.max_rows} tokens in one C++ call)"
         labels = {"cpu": "cpu (fused C++ ops)", "triton": "triton (fused Triton ops)"}

@@ -10,7 +10,6 @@ modules, or, at decode's few rows, their C++ kernels called directly (LayerCalls
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import ANY_ROWS
 from engine.runner.attention.base import AttentionBackend, AttentionMetadata
 from engine.runner.attention.kv_quant import LayerKVCache
 from engine.runner.models.arch import ModelArch, rope_inv_freq
@@ -85,9 +85,7 @@ def few_row_call(linear: nn.Module) -> tuple[Product, int] | None:
     call = getattr(linear, "few_rows", None)
     if call is None or getattr(linear, "bias", None) is not None:
         return None
-    if hasattr(linear, "few_rows_max"):  # PrepackedLinear: rows <= few_rows_max
-        return call, linear.few_rows_max
-    return call, linear.dequant_min_rows - 1  # QuantLinear: rows < dequant_min_rows
+    return call, linear.few_rows_max
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         return LayerCalls(
             attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj,
-            norm1.weight, norm1.eps, norm2.weight, norm2.eps, max_rows=sys.maxsize,
+            norm1.weight, norm1.eps, norm2.weight, norm2.eps, max_rows=ANY_ROWS,
         )  # fmt: skip
 
     def bind_few_row_calls(self) -> None:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import ANY_ROWS
 from engine.runner.quant.formats import Int4Weight, Int8Weight
 from kernels.int4_pack import INT4_BLOCK_ROWS, pack_int4, unpack_int4
 from kernels.weight_only_cpu import int4_weight_only_mm, int8_weight_only_mm
@@ -102,12 +102,19 @@ class QuantLinear(nn.Module):
         if self.few_rows is None:
             raise ValueError("int8_activations: this layer has no CPU kernel bound")
         self.int8_activations_min_rows = min_rows
-        self.dequant_min_rows = sys.maxsize  # every row count takes few_rows
+        self.dequant_min_rows = ANY_ROWS  # every row count takes few_rows
         self.few_rows = self._few_rows_call()
 
     def _few_rows_call(self):
         """The C++ few-rows call with this layer's tensors (and int8 activations) bound."""
         raise NotImplementedError
+
+    @property
+    def few_rows_max(self) -> int:
+        """The most rows the few-rows call takes: those below dequant_min_rows, or ANY_ROWS
+        with int8 activations."""
+        rows = self.dequant_min_rows
+        return ANY_ROWS if rows == ANY_ROWS else rows - 1
 
     def rebind_few_rows(self) -> None:
         """Bind the few-rows call to the layer's current tensors, after they moved
