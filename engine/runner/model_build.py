@@ -20,7 +20,7 @@ from engine.config import (
     EngineConfig,
 )
 from engine.runner.attention.base import AttentionBackend
-from engine.runner.host_memory import place_weights_in_huge_pages
+from engine.runner.host_memory import place_weights_in_huge_pages, trim_heap
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
@@ -109,18 +109,24 @@ def finish_weights(
 ) -> FinishedWeights:
     """A load's last steps, the same for the target and the draft model, in this order: the
     16-bit linears packed for oneDNN (prepack.py; prepack_weights), the CPU weights moved into
-    huge pages (host_memory.py; huge_pages), then, the tensors final, the quantized layers'
-    few-row calls re-bound and the decoder's direct kernel calls bound (not with
-    enforce_eager). `kernels`: the C++ ops module when the model runs it."""
+    huge pages (host_memory.py; huge_pages), the C heap's freed pages returned to the OS,
+    then, the tensors final, the quantized layers' few-row calls re-bound and the decoder's
+    direct kernel calls bound (not with enforce_eager). `kernels`: the C++ ops module when the
+    model runs it."""
     packed = 0
     if config.prepack_weights and can_prepack(device, dtype):
         packed = prepack_linears(model, kernels)
     moved = 0
     if config.huge_pages and device.type == "cpu":
+        # The bound calls hold the old tensors: unbound first, each old copy is freed as it
+        # moves (resident memory grows by one tensor, not by the model).
+        quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        bound = [m for m in quantized if m.unbind_few_rows()]
         moved = place_weights_in_huge_pages(model)
-        for module in model.modules():
-            if moved and isinstance(module, QuantLinear):
-                module.rebind_few_rows()
+        for module in bound:
+            module.rebind_few_rows()
+    if device.type == "cpu":
+        trim_heap()  # the freed source weights and moved copies, back to the OS
     if not config.enforce_eager:
         model.bind_few_row_calls()
     return FinishedWeights(packed, moved)

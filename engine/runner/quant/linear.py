@@ -116,11 +116,17 @@ class QuantLinear(nn.Module):
         rows = self.dequant_min_rows
         return ANY_ROWS if rows == ANY_ROWS else rows - 1
 
+    def unbind_few_rows(self) -> bool:
+        """Drop the few-rows call (and with it its references to the layer's tensors, so a
+        tensor that moves is freed as it moves); returns whether one was bound."""
+        bound = self.few_rows is not None
+        self.few_rows = None
+        return bound
+
     def rebind_few_rows(self) -> None:
-        """Bind the few-rows call to the layer's current tensors, after they moved
-        (host_memory.place_weights_in_huge_pages); the old call would read the old copies."""
-        if self.few_rows is not None:
-            self.few_rows = self._few_rows_call()
+        """Bind the few-rows call again, to the layer's current tensors (after they moved:
+        host_memory.place_weights_in_huge_pages)."""
+        self.few_rows = self._few_rows_call()
 
     def _chunk_rows(self) -> int:
         """Output rows dequantized at once: all, or what fits the scratch (whole int4 blocks)."""
