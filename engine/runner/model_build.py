@@ -118,8 +118,8 @@ def finish_weights(
         packed = prepack_linears(model, kernels)
     moved = 0
     if config.huge_pages and device.type == "cpu":
-        # The bound calls hold the old tensors: unbound first, each old copy is freed as it
-        # moves (resident memory grows by one tensor, not by the model).
+        # The bound calls hold the old tensors: unbound first, each old copy is freed once
+        # it has moved (and trim_heap below hands its pages back).
         quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
         bound = [m for m in quantized if m.unbind_few_rows()]
         moved = place_weights_in_huge_pages(model)
