@@ -57,9 +57,9 @@ def test_the_kv_pool_is_advised_into_huge_pages():
     layer = backend.allocate_kv_caches(num_layers=2, num_blocks=2048)[0]
     middle = layer.key.data_ptr() + layer.key.numel() * layer.key.element_size() // 2
     assert "hg" in vm_flags(middle)
-    # A plain allocation of the same size is not: the advice is what the pool adds.
-    plain = torch.zeros(layer.key.numel(), dtype=torch.bfloat16)
-    assert "hg" not in vm_flags(plain.data_ptr() + plain.numel())
+    # (No check that a plain allocation lacks the flag: the allocator hands back memory that
+    # earlier engines of this process advised, flag and all. The off path is checked by what
+    # it calls: test_without_huge_pages_the_pool_is_plain_zeros.)
 
 
 class TiedModel(nn.Module):

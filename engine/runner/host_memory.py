@@ -17,7 +17,9 @@ allocations (2-core EPYC, 2 threads, medians of 600 interleaved pairs, huge page
 
 The kernel picks a page's size when the page is first touched, so the advice comes between
 allocation and the first write. Best effort: elsewhere (not Linux, THP disabled, a GPU
-tensor) the tensors are the same in ordinary pages.
+tensor) the tensors are the same in ordinary pages. The advice stays with the memory: in one
+process, an engine built with huge_pages=False can get back from the allocator memory that an
+earlier engine advised, so same-process A/B runs understate the difference, if anything.
 """
 
 from __future__ import annotations
