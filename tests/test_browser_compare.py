@@ -31,9 +31,25 @@ def _number(page, tab_id: str, label: str, nth: int = 0):
     return page.locator(f"#{tab_id} input[aria-label='{label}']").nth(nth)
 
 
+def _weight_format(page, label: str) -> list:
+    """The weight-format radio `label` of side A and of side B."""
+    return [page.locator(f"#compare-{s}-weights").get_by_label(label, exact=True) for s in "ab"]
+
+
 def _pick(page, tab_id: str, combobox: str, option: str) -> None:
     page.locator(f"#{tab_id}").get_by_role("combobox", name=combobox).click()
     page.get_by_role("option", name=option, exact=True).click()
+
+
+def _pick_toggle_preset(page, preset: str, formats: list, toggle, headline: str) -> None:
+    """Pick a Compare preset that sets one weight format on both sides and a toggle on B only:
+    both `formats` radios checked, `toggle` off on A and on on B, the headline row named."""
+    _pick(page, "tab-compare", "Preset", preset)
+    for radio in formats:
+        expect(radio).to_be_checked()
+    expect(toggle.nth(0)).not_to_be_checked()
+    expect(toggle.nth(1)).to_be_checked()
+    expect(page.locator("#compare-headline")).to_contain_text(headline)
 
 
 def test_switching_presets_sets_every_field_and_resets_the_others(page):
@@ -91,17 +107,11 @@ def test_lm_head_preset_sets_the_weight_toggles_of_both_sides(page):
     """The weight format and the LM-head toggle are in both side forms (issue 13): the preset
     sets awq on both, the head 16-bit on A and quantized on B; the next preset resets them."""
     open_tab(page, "Compare")
-    awq = [page.locator(f"#compare-{s}-weights").get_by_label("awq", exact=True)
-           for s in ("a", "b")]  # fmt: skip
+    awq = _weight_format(page, "awq")
     head = page.locator("#tab-compare").get_by_label("Quantized weights: the LM head too")
     expect(awq[0]).not_to_be_checked()
     expect(head.nth(0)).to_be_checked()  # default: quantized with the rest
-    _pick(page, "tab-compare", "Preset", "AWQ weights: LM head 16-bit vs int4")
-    expect(awq[0]).to_be_checked()
-    expect(awq[1]).to_be_checked()
-    expect(head.nth(0)).not_to_be_checked()
-    expect(head.nth(1)).to_be_checked()
-    expect(page.locator("#compare-headline")).to_contain_text("Mean TPOT")
+    _pick_toggle_preset(page, "AWQ weights: LM head 16-bit vs int4", awq, head, "Mean TPOT")
     _pick(page, "tab-compare", "Preset", STATIC)
     expect(awq[0]).not_to_be_checked()
     expect(head.nth(0)).to_be_checked()
@@ -111,19 +121,12 @@ def test_int8_activations_preset_ticks_side_bs_toggle(page):
     """The int8-activations toggle is in both side forms: the W4A8 preset sets int4 on both
     and ticks B's; the next preset unticks it."""
     open_tab(page, "Compare")
-    int4 = [page.locator(f"#compare-{s}-weights").get_by_label("int4", exact=True)
-            for s in ("a", "b")]  # fmt: skip
+    int4 = _weight_format(page, "int4")
     a8 = page.locator("#tab-compare").get_by_label("Quantized weights: int8 activations")
     expect(a8.nth(0)).not_to_be_checked()
     expect(a8.nth(1)).not_to_be_checked()
-    _pick(
-        page, "tab-compare", "Preset", "int4 weights: bf16 vs int8 activations (W4A8), 32 requests"
-    )
-    expect(int4[0]).to_be_checked()
-    expect(int4[1]).to_be_checked()
-    expect(a8.nth(0)).not_to_be_checked()
-    expect(a8.nth(1)).to_be_checked()
-    expect(page.locator("#compare-headline")).to_contain_text("Output token throughput")
+    preset = "int4 weights: bf16 vs int8 activations (W4A8), 32 requests"
+    _pick_toggle_preset(page, preset, int4, a8, "Output token throughput")
     _pick(page, "tab-compare", "Preset", STATIC)
     expect(a8.nth(1)).not_to_be_checked()
 
