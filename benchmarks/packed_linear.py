@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
                 layer.update(quantized_forms(w))
             weights.append(layer)
     paths = ["kernel", "onednn"]
-    if args.quantized:  # int4_linear needs AVX512-BF16 and VBMI (aten's kernel serves elsewhere)
+    if args.quantized:  # int4_linear needs AVX-512 with VBMI (aten's kernel serves elsewhere)
         paths += ["int8", "int4"] if cpu_fused_ops.has_int4_linear() else ["int8"]
         if cpu_fused_ops.has_int8_act_linear():  # int8 activations from 1 row (W8A8, W4A8)
             paths += ["int8_a8", "int4_a8"] if cpu_fused_ops.has_int4_linear() else ["int8_a8"]

@@ -50,10 +50,10 @@ def _cpu_signature() -> str:
 HEADERS_DIR = Path(__file__).parent  # the kernels' headers (cpu_simd.h & co.) live beside them
 
 
-def build_name(prefix: str, sources: Sequence[Path]) -> str:
+def build_name(prefix: str, sources: Sequence[Path], extra_cflags: Sequence[str] = ()) -> str:
     headers = sorted(HEADERS_DIR.glob("*.h"))  # any header a source includes changes the build
     texts = [s.read_text() for s in (*sources, *headers)]
-    parts = [*texts, " ".join(CFLAGS), torch.__version__]
+    parts = [*texts, " ".join([*CFLAGS, *extra_cflags]), torch.__version__]
     parts.append(_cpu_signature())
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
     return f"{prefix}_{digest}"
@@ -77,9 +77,12 @@ def unavailable_reason(load: Callable[[], ModuleType]) -> str | None:
     return None
 
 
-def build_extension(prefix: str, sources: Sequence[Path]) -> ModuleType:
+def build_extension(
+    prefix: str, sources: Sequence[Path], extra_cflags: Sequence[str] = ()
+) -> ModuleType:
     """Build (or load from the cache) the extension made of `sources`. Raises
-    CpuKernelUnavailable naming the reason when it cannot be built. Callers cache the result."""
+    CpuKernelUnavailable naming the reason when it cannot be built. Callers cache the result.
+    `extra_cflags` follow CFLAGS (tests build variants, e.g. without an instruction set)."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise CpuKernelUnavailable(
@@ -88,13 +91,14 @@ def build_extension(prefix: str, sources: Sequence[Path]) -> ModuleType:
     _ensure_ninja_on_path()
     from torch.utils import cpp_extension
 
-    build_dir = extensions_dir() / build_name(prefix, sources)
+    build_dir = extensions_dir() / build_name(prefix, sources, extra_cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not (build_dir / f"{build_dir.name}.so").exists():  # say why start-up pauses, once
         log.info("compiling %s for this CPU (~30 s, once; cached in %s)", prefix, build_dir)
     try:
         return cpp_extension.load(
-            name=build_dir.name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+            name=build_dir.name, sources=[str(s) for s in sources],
+            extra_cflags=[*CFLAGS, *extra_cflags],
             extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False,
         )  # fmt: skip
     except (RuntimeError, OSError, ImportError) as exc:

@@ -1,7 +1,8 @@
-// Decode attention for a bfloat16 query and cache on CPUs with AVX512-BF16 (Zen 4, Sapphire
-// Rapids and later): one query token per sequence, one (sequence, KV head) per call, the G
-// query heads of the KV head (GQA) sharing every K/V row loaded. Included by
-// cpu_paged_attention.cpp, which falls back to its generic path elsewhere.
+// Decode attention for a bfloat16 query and cache on AVX-512 CPUs (vdpbf16ps where the CPU has
+// AVX512-BF16, Zen 4 and Sapphire Rapids on; elsewhere its equivalent in AVX-512F, cpu_simd.h):
+// one query token per sequence, one (sequence, KV head) per call, the G query heads of the KV
+// head (GQA) sharing every K/V row loaded. Included by cpu_paged_attention.cpp, which falls
+// back to its generic path elsewhere.
 //
 // Why a second path: at batch 64 x ~400 tokens the generic one spent ~4x the floor (K/V bytes
 // over bandwidth) mostly on instructions, not on memory: it widened every K and V row to
@@ -24,7 +25,9 @@
 // The softmax scale multiplies the float32 scores (the generic path pre-scales q instead).
 #pragma once
 
-#if defined(__AVX512BF16__)
+#include "cpu_simd.h"
+
+#if defined(CPU_BF16_PAIRS)
 #include <immintrin.h>
 
 #include <c10/util/BFloat16.h>
@@ -85,8 +88,7 @@ inline float key_group_scores(const c10::BFloat16* q, const c10::BFloat16* keys,
     const c10::BFloat16* row = keys + t * token_stride;
     __m512 s = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 32) {
-      s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + d),
-                           (__m512bh)_mm512_loadu_si512(row + d));
+      s = cpu_simd::dot_bf16_pairs(s, _mm512_loadu_si512(q + d), _mm512_loadu_si512(row + d));
     }
     part[t] = s;
   }
@@ -131,12 +133,12 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
   static_assert(D % 32 == 0, "head_dim: whole 32-element bfloat16 pairs vectors");
   constexpr int QV = D / 32;  // bfloat16 vectors per row
   constexpr int AV = D / 16;  // float32 vectors per row
-  __m512bh q[G][QV];
+  __m512i q[G][QV];
   __m512 acc[G][AV], sum_lanes[G];
   float m[G];
   for (int g = 0; g < G; ++g) {
     for (int j = 0; j < QV; ++j) {
-      q[g][j] = (__m512bh)_mm512_loadu_si512(query + g * q_head_stride + 32 * j);
+      q[g][j] = _mm512_loadu_si512(query + g * q_head_stride + 32 * j);
     }
     for (int j = 0; j < AV; ++j) acc[g][j] = _mm512_setzero_ps();
     sum_lanes[g] = _mm512_setzero_ps();
@@ -181,11 +183,11 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
           k_ahead.at(t0 + t);
           v_ahead.at(t0 + t);
           const c10::BFloat16* row = k_block + (t0 + t) * k_token_stride;
-          __m512bh k[QV];
-          for (int j = 0; j < QV; ++j) k[j] = (__m512bh)_mm512_loadu_si512(row + 32 * j);
+          __m512i k[QV];
+          for (int j = 0; j < QV; ++j) k[j] = _mm512_loadu_si512(row + 32 * j);
           for (int g = 0; g < G; ++g) {
-            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], k[0]);
-            for (int j = 1; j < QV; ++j) s = _mm512_dpbf16_ps(s, q[g][j], k[j]);
+            __m512 s = cpu_simd::dot_bf16_pairs(_mm512_setzero_ps(), q[g][0], k[0]);
+            for (int j = 1; j < QV; ++j) s = cpu_simd::dot_bf16_pairs(s, q[g][j], k[j]);
             part[g * TOKENS + t] = s;
           }
         }
@@ -251,8 +253,8 @@ void attend(const c10::BFloat16* query, int64_t q_head_stride, c10::BFloat16* ou
     for (int j = 0; j < QV; ++j) {
       // acc[2j] holds dims 32j + 0, 2, .., 30 and acc[2j + 1] the odd ones (P.V's order):
       // vcvtne2ps2bf16 packs the pair, then one word permute puts dims back in order.
-      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[g][2 * j + 1], inv),
-                                                          _mm512_mul_ps(acc[g][2 * j], inv));
+      const __m512i packed = cpu_simd::bf16_pairs_from(_mm512_mul_ps(acc[g][2 * j + 1], inv),
+                                                       _mm512_mul_ps(acc[g][2 * j], inv));
       _mm512_storeu_si512(out + g * o_head_stride + 32 * j,
                           _mm512_permutexvar_epi16(interleave, packed));
     }
@@ -286,4 +288,4 @@ inline AttendFn select(int head_dim, int group) {
 }
 
 }  // namespace cpu_decode_bf16
-#endif  // __AVX512BF16__
+#endif  // CPU_BF16_PAIRS

@@ -444,7 +444,7 @@ void packed_bf16_block(const uint32_t* block, int64_t pairs, const float* x_even
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(CPU_BF16_PAIRS)
 // The same product with vdpbf16ps: a lane's (low, high) pair times x's (x[2p], x[2p + 1]) in
 // one instruction, straight from the packed bytes (products of two bfloat16 are exact in
 // float32, so only the summation order changes). The shift-and-mask-and-two-FMAs above made
@@ -470,11 +470,11 @@ void packed_bf16_block_dp(const uint32_t* block, int64_t pairs, const uint32_t* 
       _mm_prefetch(reinterpret_cast<const char*>(row_pairs + line * LANES) + STREAM_PREFETCH_BYTES,
                    _MM_HINT_T0);
     }
-    __m512bh w[J];
-    for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_loadu_si512(row_pairs + j * LANES);
+    __m512i w[J];
+    for (int j = 0; j < J; ++j) w[j] = _mm512_loadu_si512(row_pairs + j * LANES);
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(x_pairs[m * pairs + p]));
-      for (int j = 0; j < J; ++j) acc[s][m][j] = _mm512_dpbf16_ps(acc[s][m][j], w[j], xb);
+      const __m512i xb = _mm512_set1_epi32(int(x_pairs[m * pairs + p]));
+      for (int j = 0; j < J; ++j) acc[s][m][j] = dot_bf16_pairs(acc[s][m][j], w[j], xb);
     }
   };
   int64_t p = 0;
@@ -522,7 +522,7 @@ void packed_bf16_linear_impl(torch::Tensor out, torch::Tensor x, const c10::BFlo
                                               weight, N);
   }
 #endif
-#if defined(__AVX512BF16__)
+#if defined(CPU_BF16_PAIRS)
   return packed_bf16_linear_dp(out, x, weight, N);
 #endif
   const int64_t M = x.size(0), K = x.size(1), pairs = K / 2;
@@ -742,7 +742,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   return out;
 }
 
-// True where this build has cpu_int8_rows.h (AVX512-BF16): int8_linear then takes many
+// True where this build has cpu_int8_rows.h (AVX-512 F and BW): int8_linear then takes many
 // bfloat16 rows there (Int8Linear moves its dequantize switch up to match).
 bool has_int8_rows_linear() {
 #if defined(CPU_INT8_ROWS)
@@ -763,7 +763,7 @@ bool has_amx_linear() {
 #endif
 }
 
-// True where this build has the bfloat16 int4 kernel (cpu_int4_linear.h: AVX512-BF16 and VBMI).
+// True where this build has the bfloat16 int4 kernel (cpu_int4_linear.h: AVX-512 with VBMI).
 bool has_int4_linear() {
 #if defined(CPU_INT4_LINEAR)
   return true;
@@ -786,7 +786,8 @@ bool has_int8_act_linear() {
 // and multiplied with vpdpbusd (cpu_int8_act_linear.h) where this CPU has it.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_and_zero,
                           int64_t group_size, int64_t int8_activations_min_rows) {
-  TORCH_CHECK_VALUE(has_int4_linear(), "int4_linear: this CPU lacks AVX512-BF16 or AVX512-VBMI");
+  TORCH_CHECK_VALUE(has_int4_linear(),
+                    "int4_linear: this CPU lacks AVX-512 (F, BW) or AVX512-VBMI");
   check_rows("x", x, true);
   TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16, "x: bfloat16 expected, got ",
                     x.scalar_type());
@@ -870,16 +871,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_bf16_linear", &packed_bf16_linear,
         "x @ W.T for few rows, W bfloat16 in oneDNN's 64-row, pairs-of-inputs packed layout");
   namespace step = cpu_decode_step;
-  pybind11::class_<step::Linear>(m, "StepLinear",
-                                 "a linear layer's few-row kernel with its weights, for DecodeStep");
-  m.def("packed_bf16_call", &step::packed_bf16_call, "packed_bf16_linear's weights as a StepLinear");
+  // module_local: another build of this extension in the same process (tests build variants,
+  // tests/test_cpu_bf16_pairs.py) registers its own types of the same names.
+  pybind11::class_<step::Linear>(
+      m, "StepLinear", pybind11::module_local(),
+      "a linear layer's few-row kernel with its weights, for DecodeStep");
+  m.def("packed_bf16_call", &step::packed_bf16_call,
+        "packed_bf16_linear's weights as a StepLinear");
   m.def("int8_call", &step::int8_call, "int8_linear's weights as a StepLinear",
         pybind11::arg("qweight"), pybind11::arg("scales"),
         pybind11::arg("int8_activations_min_rows") = 0);
   m.def("int4_call", &step::int4_call, "int4_linear's weights as a StepLinear",
         pybind11::arg("packed"), pybind11::arg("scale_and_zero"), pybind11::arg("group_size"),
         pybind11::arg("int8_activations_min_rows") = 0);
-  pybind11::class_<step::DecodeStep>(m, "DecodeStep",
+  pybind11::class_<step::DecodeStep>(m, "DecodeStep", pybind11::module_local(),
                                      "a decoder pass of few rows in one call (cpu_decode_step.h)")
       .def(pybind11::init<const pybind11::capsule&, int64_t, int64_t, int64_t, double,
                           torch::Tensor, double>())

@@ -109,7 +109,7 @@ def int4_linear(
     group_size: int,
     int8_activations_min_rows: int = 0,
 ) -> torch.Tensor:
-    """x @ W.T for decode's few rows with W int4 (cpu_int4_linear.h; CPUs with AVX512-BF16
+    """x @ W.T for decode's few rows with W int4 (cpu_int4_linear.h; CPUs with AVX-512
     and VBMI: has_int4_linear()), float32 accumulation, bfloat16 out. From
     `int8_activations_min_rows` rows (0: never) x is quantized to int8 per group and multiplied
     with integer dot products (cpu_int8_act_linear.h, W4A8) where has_int8_act_linear()."""
@@ -125,8 +125,9 @@ def has_int8_act_linear() -> bool:
 
 
 def has_int8_rows_linear() -> bool:
-    """Whether int8_linear takes many bfloat16 rows here (cpu_int8_rows.h, AVX512-BF16): from 5
-    rows it widens the weight rows to bfloat16 once and multiplies with vdpbf16ps."""
+    """Whether int8_linear takes many bfloat16 rows here (cpu_int8_rows.h, AVX-512): from 5
+    rows it widens the weight rows to bfloat16 once and multiplies bfloat16 pairs (vdpbf16ps
+    where the CPU has AVX512-BF16)."""
     return load_extension().has_int8_rows_linear()
 
 

@@ -1,5 +1,6 @@
-// W4A16 matrix-vector products for decode's few rows, bfloat16 activations, on CPUs with
-// AVX512-BF16 and AVX512-VBMI (Zen 4, Sapphire Rapids and later). Included by
+// W4A16 matrix-vector products for decode's few rows, bfloat16 activations, on AVX-512 CPUs
+// with VBMI (Ice Lake and later, Zen 4; vdpbf16ps where the CPU has AVX512-BF16, else its
+// two-FMA equivalent, cpu_simd::dot_bf16_pairs). Included by
 // cpu_fused_ops.cpp; elsewhere (or for float32/float16 models) the int4 layers call aten's
 // _weight_int4pack_mm_for_cpu instead.
 //
@@ -37,7 +38,9 @@
 // ahead (cpu_simd.h).
 #pragma once
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#include "cpu_simd.h"
+
+#if defined(CPU_BF16_PAIRS) && defined(__AVX512VBMI__)
 #define CPU_INT4_LINEAR 1
 #include <immintrin.h>
 
@@ -108,9 +111,9 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
                                    _mm512_permutex2var_epi8(hi, index_lo, high_byte),
                                    _mm512_permutex2var_epi8(hi, index_hi, high_byte)};
       for (int m = 0; m < MR; ++m) {
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(x_pairs[m][p + s]));
+        const __m512i xb = _mm512_set1_epi32(int(x_pairs[m][p + s]));
         for (int j = 0; j < QUARTERS; ++j) {
-          part[s][m][j] = _mm512_dpbf16_ps(part[s][m][j], (__m512bh)w[j], xb);
+          part[s][m][j] = cpu_simd::dot_bf16_pairs(part[s][m][j], w[j], xb);
         }
       }
     }
@@ -235,7 +238,7 @@ inline void build_dequantized_pairs(const uint8_t* block, const uint32_t* scale_
           w[h] = _mm512_fmadd_ps(_mm512_castsi512_ps(f), scale[eighth], offset[eighth]);
         }
         // 16-bit lanes 0-15 from w[0] (rows 16j .. +7), 16-31 from w[1]: 16 rows' pairs.
-        const __m512i row = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
+        const __m512i row = cpu_simd::bf16_pairs_from(w[1], w[0]);
         _mm512_store_si512(pairs + (p * QUARTERS + j) * 16, row);
       }
     }
@@ -291,4 +294,4 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
 }
 
 }  // namespace cpu_int4_linear
-#endif  // AVX512-BF16 and AVX512-VBMI
+#endif  // CPU_BF16_PAIRS and AVX512-VBMI

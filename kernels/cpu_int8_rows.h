@@ -1,7 +1,7 @@
 // W8A16 products for many rows (a batch-64 decode step, a verify step, a prefill chunk),
-// bfloat16 activations, on CPUs with AVX512-BF16. Included by cpu_fused_ops.cpp; the few-row
-// FMA kernel there (int8_linear) keeps decode's 1-4 rows, and float32/float16 models keep
-// dequantize + GEMM.
+// bfloat16 activations, on AVX-512 CPUs (vdpbf16ps with AVX512-BF16, else its equivalent:
+// cpu_simd::dot_bf16_pairs). Included by cpu_fused_ops.cpp; the few-row FMA kernel there
+// (int8_linear) keeps decode's 1-4 rows, and float32/float16 models keep dequantize + GEMM.
 //
 // Why: with many rows the product is bound by arithmetic, where vdpbf16ps does two multiply-adds
 // per float32 lane to an FMA's one, and the int8 path dequantized each layer into a 16-bit
@@ -22,7 +22,9 @@
 // (FMA kernel) / 14.5 / 34.0 against 8.8 / 11.1 / 34.9 (benchmarks.packed_linear --quantized).
 #pragma once
 
-#if defined(__AVX512BF16__)
+#include "cpu_simd.h"
+
+#if defined(CPU_BF16_PAIRS)
 #define CPU_INT8_ROWS 1
 #include <immintrin.h>
 
@@ -47,7 +49,7 @@ inline __m512i widen32(const int8_t* src) {
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
   const __m512 hi = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  return cpu_simd::bf16_pairs_from(hi, lo);
 }
 
 // x lanes, as in the AMX kernel (cpu_amx_linear.h): x becomes the per-lane operand, 16 x rows
@@ -117,13 +119,13 @@ inline void lanes_product(const c10::BFloat16* w, int64_t K, const uint32_t* xp_
         widen_step(next_q, widen_at, next_w);
         widen_at += 2 * K_STEP;
       }
-      __m512bh xv[TILES];
+      __m512i xv[TILES];
       for (int t = 0; t < TILES; ++t) {
-        xv[t] = (__m512bh)_mm512_loadu_si512(xp_tiles + t * tile_stride + p * 16);
+        xv[t] = _mm512_loadu_si512(xp_tiles + t * tile_stride + p * 16);
       }
       for (int n = 0; n < W_TILE; ++n) {
-        const __m512bh wb = (__m512bh)_mm512_set1_epi32(int(rows[n * K / 2 + p]));
-        for (int t = 0; t < TILES; ++t) a[n][t] = _mm512_dpbf16_ps(a[n][t], xv[t], wb);
+        const __m512i wb = _mm512_set1_epi32(int(rows[n * K / 2 + p]));
+        for (int t = 0; t < TILES; ++t) a[n][t] = cpu_simd::dot_bf16_pairs(a[n][t], xv[t], wb);
       }
     }
     for (int n = 0; n < W_TILE; ++n) {
@@ -223,12 +225,12 @@ inline void dot_tile(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
   for (auto& a : acc) a = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += K_STEP) {
     widening.step();
-    __m512bh wv[DOT_N];
-    for (int n = 0; n < DOT_N; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * K + k0);
+    __m512i wv[DOT_N];
+    for (int n = 0; n < DOT_N; ++n) wv[n] = _mm512_loadu_si512(w + n * K + k0);
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * K + k0);
+      const __m512i xv = _mm512_loadu_si512(x + (m0 + m) * K + k0);
       for (int n = 0; n < DOT_N; ++n) {
-        acc[n * DOT_M + m] = _mm512_dpbf16_ps(acc[n * DOT_M + m], wv[n], xv);
+        acc[n * DOT_M + m] = cpu_simd::dot_bf16_pairs(acc[n * DOT_M + m], wv[n], xv);
       }
     }
   }
@@ -286,4 +288,4 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
 }
 
 }  // namespace cpu_int8_rows
-#endif  // __AVX512BF16__
+#endif  // CPU_BF16_PAIRS

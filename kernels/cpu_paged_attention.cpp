@@ -187,9 +187,10 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
   const int last_pos = first_pos + item.num_queries - 1;
   const int64_t token0 = p.query_start_loc[item.seq] + item.first_query;
   const int32_t* table = p.block_tables + int64_t(item.seq) * p.table_stride;
-  // bfloat16 query and cache on AVX512-BF16: Q.K straight from the cache rows (vdpbf16ps and
-  // a reduction tree per 16 keys, cpu_decode_bf16.h) instead of widened rows and a dot each.
-#if defined(__AVX512BF16__)
+  // bfloat16 query and cache on AVX-512: Q.K straight from the cache rows (bfloat16 pair
+  // products and a reduction tree per 16 keys, cpu_decode_bf16.h) instead of widened rows and
+  // a dot each.
+#if defined(CPU_BF16_PAIRS)
   constexpr bool kBf16Types = std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, Q>;
 #else
   constexpr bool kBf16Types = false;
@@ -246,7 +247,7 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
       const float* qr = &s.q[size_t(r) * D];
       float block_max = -std::numeric_limits<float>::infinity();
       if (bf16_dot) {
-#if defined(__AVX512BF16__)
+#if defined(CPU_BF16_PAIRS)
         if constexpr (kBf16Types) {
           const Q* q_row = query + (token0 + r / G) * p.q_token_stride +
                            int64_t(kv_head * G + r % G) * p.q_head_stride;
@@ -288,8 +289,8 @@ void attend_item(const Problem& p, const WorkItem& item, int kv_head, const Q* q
 }
 
 // Decode rows (a sequence's only new token) of a bfloat16 query and cache go through
-// cpu_decode_bf16 where the CPU has AVX512-BF16 and the shape has an instantiation.
-#if defined(__AVX512BF16__)
+// cpu_decode_bf16 where the CPU has AVX-512 and the shape has an instantiation.
+#if defined(CPU_BF16_PAIRS)
 using FastDecode = cpu_decode_bf16::AttendFn;
 #else
 using FastDecode = void (*)();
@@ -297,7 +298,7 @@ using FastDecode = void (*)();
 
 template <typename Q, typename C>
 FastDecode fast_decode(const Problem& p) {
-#if defined(__AVX512BF16__)
+#if defined(CPU_BF16_PAIRS)
   if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
     return cpu_decode_bf16::select(p.head_dim, p.group);
   }
@@ -309,7 +310,7 @@ FastDecode fast_decode(const Problem& p) {
 template <typename Q>
 bool attend_decode_fast(FastDecode fast, const Problem& p, const WorkItem& item, int kv_head,
                         const Q* query, Q* out) {
-#if defined(__AVX512BF16__)
+#if defined(CPU_BF16_PAIRS)
   if constexpr (std::is_same_v<Q, c10::BFloat16>) {
     const int token = p.query_start_loc[item.seq];
     if (fast == nullptr || p.query_start_loc[item.seq + 1] - token != 1) return false;

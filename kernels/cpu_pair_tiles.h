@@ -1,4 +1,4 @@
-// The inner product of the many-row int4 kernel on CPUs with AVX512-BF16 (cpu_int4_linear.h):
+// The inner product of the many-row int4 kernel on AVX-512 CPUs (cpu_int4_linear.h):
 // a 64-row block of the weight, already dequantized into bfloat16 pairs in a block-sized
 // buffer that stays in L2,
 //
@@ -9,7 +9,9 @@
 // many rows a quantized layer costs its bf16 twin plus one conversion per block, not per tile.
 #pragma once
 
-#if defined(__AVX512BF16__)
+#include "cpu_simd.h"
+
+#if defined(CPU_BF16_PAIRS)
 #include <immintrin.h>
 
 #include <c10/util/BFloat16.h>
@@ -34,13 +36,15 @@ inline void block_tile(const uint32_t* pairs, int64_t K, const uint32_t* const* 
   }
   for (int64_t p = 0; p < K / 2; ++p) {
     next.at_step(p);
-    __m512bh w[QUARTERS];
+    __m512i w[QUARTERS];
     for (int j = 0; j < QUARTERS; ++j) {
-      w[j] = (__m512bh)_mm512_load_si512(pairs + (p * QUARTERS + j) * 16);
+      w[j] = _mm512_load_si512(pairs + (p * QUARTERS + j) * 16);
     }
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(x_pairs[m][p]));
-      for (int j = 0; j < QUARTERS; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], w[j], xb);
+      const __m512i xb = _mm512_set1_epi32(int(x_pairs[m][p]));
+      for (int j = 0; j < QUARTERS; ++j) {
+        acc[m][j] = cpu_simd::dot_bf16_pairs(acc[m][j], w[j], xb);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) {
@@ -70,4 +74,4 @@ inline void all_rows(const uint32_t* pairs, const c10::BFloat16* x, int64_t M, i
 }
 
 }  // namespace cpu_pair_tiles
-#endif  // __AVX512BF16__
+#endif  // CPU_BF16_PAIRS

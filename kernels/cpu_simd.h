@@ -146,6 +146,51 @@ inline f32x16 round_bf16x16(f32x16 v) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// bfloat16 pair arithmetic on any AVX-512 CPU. The kernels multiply bfloat16 two inputs at a
+// time into float32 lanes (vdpbf16ps) and round float32 pairs to bfloat16 (vcvtne2ps2bf16);
+// both instructions need AVX512-BF16 (Zen 4, Sapphire Rapids and later), which Skylake-X to Ice
+// Lake servers lack and which some hypervisors hide from a guest of a CPU that has it (a 2-core
+// cloud Xeon of 2026 reported AVX512-VNNI and VBMI but neither AVX512-BF16 nor AMX). Without
+// it the same arithmetic takes a few AVX-512F instructions, with the same results: a bfloat16
+// widens to float32 exactly by a shift (even half) or a mask (odd half), the product of two
+// bfloat16 is exact in float32, and vdpbf16ps adds the odd product before the even one, each
+// rounded once, as two FMAs do. (The instruction also flushes subnormal inputs and outputs to
+// zero; below 1.2e-38 the two may differ.)
+#define CPU_BF16_PAIRS 1
+
+// acc + a.odd * b.odd + a.even * b.even per 32-bit lane of bfloat16 pairs (vdpbf16ps).
+__attribute__((always_inline)) inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
+#if defined(__AVX512BF16__)
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+  const __m512i odd = _mm512_set1_epi32(int(0xFFFF0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, odd)),
+                        _mm512_castsi512_ps(_mm512_and_si512(b, odd)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+#endif
+}
+
+// 32 bfloat16 rounded to nearest even from float32: words 0-15 from lo, 16-31 from hi
+// (vcvtne2ps2bf16 hi, lo). The fallback rounds as store_bf16x16 does.
+__attribute__((always_inline)) inline __m512i bf16_pairs_from(__m512 hi, __m512 lo) {
+#if defined(__AVX512BF16__)
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#else
+  auto round = [](__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+  };
+  return _mm512_inserti64x4(_mm512_castsi256_si512(round(lo)), round(hi), 1);
+#endif
+}
+#endif
+
 #if defined(__AVX512F__)
 // 16 vectors of 16 32-bit lanes transposed in registers: r[i][c] -> r[c][i]. Two interleaving
 // stages within 128-bit lanes, then two 128-bit lane shuffles (64 shuffles for 256 lanes).

@@ -30,7 +30,7 @@ def kernels_built() -> None:
 
 def _llm(quantization: str, **overrides) -> LLM:
     if quantization == "int4" and not cpu_fused_ops.has_int4_linear():
-        pytest.skip("the int4 few-row kernel needs AVX512-BF16 and VBMI")
+        pytest.skip("the int4 few-row kernel needs AVX-512 with VBMI")
     llm = LLM(quantization=quantization, **{**COMMON, **overrides})
     layers = llm.engine.runner.model.layers
     if quantization == "none" and layers[0].self_attn.o_proj.few_rows is None:

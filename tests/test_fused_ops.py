@@ -257,7 +257,7 @@ def test_int8_linear_takes_many_bf16_rows(fused, rows, n, k):
     the widened weight rows (cpu_int8_rows.h) from 5, x as the per-lane operand from 32; all
     against x @ (q * s).T in float32."""
     if not cpu_fused_ops.has_int8_rows_linear():
-        pytest.skip("cpu_int8_rows.h needs AVX512-BF16 (the few-row kernel takes every row)")
+        pytest.skip("cpu_int8_rows.h needs AVX-512 (the few-row kernel takes every row)")
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     q[0, :] = -127  # the extremes convert exactly too
@@ -272,7 +272,7 @@ def test_int8_bf16_layers_take_a_batch_64_step_with_the_kernel(fused, monkeypatc
     """With the many-row kernels (cpu_int8_rows.h), bfloat16 int8 layers multiply up to 64 rows with
     int8_linear instead of dequantizing into a scratch for oneDNN (AMX CPUs keep 32)."""
     if not cpu_fused_ops.has_int8_rows_linear():
-        pytest.skip("cpu_int8_rows.h needs AVX512-BF16")
+        pytest.skip("cpu_int8_rows.h needs AVX-512")
     from engine.runner.quant.apply import (
         CPU_FUSED_DEQUANT_MIN_ROWS,
         CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS,
@@ -373,7 +373,7 @@ def test_int8_linear_rejects_mismatched_inputs(fused):
 
 def _int4_kernel(fused) -> None:
     if not cpu_fused_ops.has_int4_linear():
-        pytest.skip("int4_linear needs AVX512-BF16 and AVX512-VBMI (aten's kernel runs instead)")
+        pytest.skip("int4_linear needs AVX-512 with VBMI (aten's kernel runs instead)")
 
 
 @pytest.mark.parametrize(
