@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import ANY_ROWS
 from engine.runner.models.decode_step import CpuDecodeStep
 from kernels import cpu_attention, cpu_fused_ops
 
@@ -81,10 +82,11 @@ def test_step_hidden_states_are_the_layer_paths_bit_for_bit(quantization):
         llm = _llm(quantization)
         model = llm.engine.runner.model
         assert isinstance(model.decode_step, CpuDecodeStep)
-        # The header says what runs the layers.
-        assert llm.stats().layer_ops == (
-            f"cpu (fused C++ ops; steps of <= {model.decode_step.max_rows} tokens in one C++ call)"
-        )
+        # The header says what runs the layers (every step where the kernels take any rows:
+        # CPUs without AVX512-BF16, prepack.own_pairs_layout).
+        rows = model.decode_step.max_rows
+        steps = "every step" if rows == ANY_ROWS else f"steps of <= {rows} tokens"
+        assert llm.stats().layer_ops == f"cpu (fused C++ ops; {steps} in one C++ call)"
         assert all(layer.few_row_calls is not None for layer in model.layers)
         if not use_step:
             model.decode_step = None  # the layer-by-layer path, few-row calls still bound

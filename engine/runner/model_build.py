@@ -15,6 +15,7 @@ from types import ModuleType
 import torch
 
 from engine.config import (
+    ANY_ROWS,
     INT8_ACTIVATIONS_MIN_ROWS,
     INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
     EngineConfig,
@@ -24,7 +25,13 @@ from engine.runner.host_memory import place_weights_in_huge_pages, trim_heap
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
-from engine.runner.models.prepack import can_prepack, cpu_has_amx, prepack_linears
+from engine.runner.models.prepack import (
+    PrepackedLinear,
+    can_prepack,
+    cpu_has_amx,
+    cpu_has_bf16_dot,
+    prepack_linears,
+)
 from engine.runner.quant import QuantSummary, load_awq, quantize_model
 from engine.runner.quant.apply import (
     CPU_AMX_DEQUANT_MIN_ROWS,
@@ -114,14 +121,14 @@ def finish_weights(
     direct kernel calls bound (not with enforce_eager). `kernels`: the C++ ops module when the
     model runs it."""
     packed = 0
-    if config.prepack_weights and can_prepack(device, dtype):
+    if config.prepack_weights and can_prepack(device, dtype, kernels):
         packed = prepack_linears(model, kernels)
     moved = 0
     if config.huge_pages and device.type == "cpu":
-        # The bound calls hold the old tensors: unbound first, each old copy is freed once
-        # it has moved (and trim_heap below hands its pages back).
-        quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        bound = [m for m in quantized if m.unbind_few_rows()]
+        # The bound calls hold the old tensors (or their addresses): unbound first, each old
+        # copy is freed once it has moved (and trim_heap below hands its pages back).
+        layers = [m for m in model.modules() if isinstance(m, (QuantLinear, PrepackedLinear))]
+        bound = [m for m in layers if m.unbind_few_rows()]
         moved = place_weights_in_huge_pages(model)
         for module in bound:
             module.rebind_few_rows()
@@ -156,9 +163,14 @@ def _share_cpu_kernels(
     if rows and cpu_has_amx():
         if ops.kernels.has_amx_linear():
             int4_kernel_rows = int8_kernel_rows = CPU_AMX_DEQUANT_MIN_ROWS
-    elif rows:
+    elif rows and cpu_has_bf16_dot():
         int4_kernel_rows = CPU_INT4_KERNEL_DEQUANT_MIN_ROWS
         int8_kernel_rows = CPU_INT8_ROWS_KERNEL_DEQUANT_MIN_ROWS
+    elif rows:
+        # No bfloat16 arithmetic in hardware: oneDNN's bf16 GEMM after a dequantize is
+        # emulated, ~4x slower than these kernels at every row count (prepack.py's docstring),
+        # so they take every row count.
+        int4_kernel_rows = int8_kernel_rows = ANY_ROWS
     # With AMX the weight-only kernels multiply many rows with tiles, ahead of vpdpbusd.
     a8 = int8_activations and not cpu_has_amx() and ops.kernels.has_int8_act_linear()
     if int8_activations and not a8:
