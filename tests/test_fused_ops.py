@@ -293,12 +293,17 @@ def test_int8_bf16_layers_take_a_batch_64_step_with_the_kernel(fused, monkeypatc
 
 
 def _many_rows_switch(without_amx: int) -> int:
-    """The rows from which bfloat16 quantized layers dequantize: `without_amx` on CPUs without
-    AMX (the vdpbf16ps kernels take a batch-64 step); on AMX CPUs CPU_AMX_DEQUANT_MIN_ROWS with
-    the AMX kernels, else CPU_FUSED_DEQUANT_MIN_ROWS (oneDNN's AMX GEMM)."""
-    from engine.runner.models.prepack import cpu_has_amx
+    """The rows from which bfloat16 quantized layers dequantize: `without_amx` on CPUs with
+    AVX512-BF16 and no AMX (the vdpbf16ps kernels take a batch-64 step); never (ANY_ROWS)
+    without AVX512-BF16, where oneDNN's bf16 GEMM is emulated; on AMX CPUs
+    CPU_AMX_DEQUANT_MIN_ROWS with the AMX kernels, else CPU_FUSED_DEQUANT_MIN_ROWS (oneDNN's
+    AMX GEMM)."""
+    from engine.config import ANY_ROWS
+    from engine.runner.models.prepack import cpu_has_amx, cpu_has_bf16_dot
     from engine.runner.quant.apply import CPU_AMX_DEQUANT_MIN_ROWS, CPU_FUSED_DEQUANT_MIN_ROWS
 
+    if not cpu_has_bf16_dot():
+        return ANY_ROWS
     if not cpu_has_amx():
         return without_amx
     return (

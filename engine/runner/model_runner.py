@@ -52,7 +52,7 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        return torch.bfloat16  # fast on GPUs and on CPUs with AMX/AVX512-BF16
+        return torch.bfloat16  # GPUs; AVX-512 CPUs (the C++ kernels emulate it without AVX512-BF16)
     return _DTYPES[dtype]
 
 

@@ -44,14 +44,14 @@ CPU_DEQUANT_MIN_ROWS = {"int8": 64, "int4": 128}
 # benchmarks.quant_crossover` (whole layers, 8/16/32/64 rows): 32 for both formats.
 CPU_FUSED_DEQUANT_MIN_ROWS = 32
 # int4 layers that run kernels/cpu_int4_linear.h (bfloat16 on AVX512-BF16 + VBMI CPUs without
-# AMX): it turns each 64-row block's nibbles into 16-bit pairs once and reuses them for every 4
+# AMX; without AVX512-BF16 they take every row count, model_build._share_cpu_kernels): it turns each 64-row block's nibbles into 16-bit pairs once and reuses them for every 4
 # x rows, so it keeps up with the prepacked bf16 kernel up to a batch-64 decode step. Measured
 # over SmolLM2's layers on the 2-core EPYC, one run: 32 rows 13.4 ms (bf16 13.5), 64 rows 25.2
 # (bf16 23.7), where dequantize + GEMM had made batch-64 decode 0.51x bf16 (benchmarks.quant).
 # With AMX: CPU_AMX_DEQUANT_MIN_ROWS below (AMX kernels), else 32 (oneDNN's AMX GEMM).
 CPU_INT4_KERNEL_DEQUANT_MIN_ROWS = 65
 # int8 layers whose int8_linear takes many bfloat16 rows (kernels/cpu_int8_rows.h: AVX512-BF16,
-# no AMX): weight rows widened to bf16 once per call, then vdpbf16ps. Measured over SmolLM2's
+# no AMX; without AVX512-BF16 every row count): weight rows widened to bf16 once per call, then vdpbf16ps. Measured over SmolLM2's
 # decoder layers at 64 rows on the 2-core EPYC (benchmarks.packed_linear --quantized,
 # 2026-12-06): 34.0 ms against 34.9 for the prepacked bf16 kernel; dequantize + oneDNN took ~48
 # on another day (docs/measurements/quantization.md).

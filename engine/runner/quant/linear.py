@@ -230,7 +230,7 @@ class Int8Linear(QuantLinear):
     @property
     def rows_kernel(self) -> bool:
         """Whether the few-rows kernel also takes many rows (kernels/cpu_int8_rows.h: bfloat16
-        on AVX512-BF16 CPUs, whole 16-row groups and 32-input steps)."""
+        on AVX-512 CPUs, whole 16-row groups and 32-input steps)."""
         return (
             self.few_rows is not None
             and self.scales.dtype == torch.bfloat16
@@ -289,8 +289,8 @@ class Int4Linear(QuantLinear):
 
     def use_cpu_kernels(self, kernels: ModuleType | None) -> None:
         super().use_cpu_kernels(kernels)
-        # The C++ few-rows kernel takes bfloat16 on CPUs with AVX512-BF16 and VBMI; float32
-        # and float16 models (and other CPUs) keep aten's.
+        # The C++ few-rows kernel takes bfloat16 on AVX-512 CPUs with VBMI; float32 and
+        # float16 models (and other CPUs) keep aten's.
         if (
             self.cpu_kernels is not None
             and self.weight_only_kernel == "cpu"
