@@ -245,6 +245,135 @@ inline void build_dequantized_pairs(const uint8_t* block, const uint32_t* scale_
   }
 }
 
+#if !defined(__AVX512BF16__)
+// One or two x rows on a CPU without AVX512-BF16, where a vdpbf16ps is two FMAs on a split pair
+// (cpu_simd::dot_bf16_pairs): the pairs path then spends ~23 vector operations per 64 bytes of
+// nibbles, four of them two-source byte permutes, and is bound by them (~18 GB/s on 2 cores of
+// a cloud Xeon against ~25 for the bf16 stream). Here the nibbles become float32 lanes directly,
+// as build_dequantized_pairs makes them, one masked vpermb per 16 weights: lane l of eighth e
+// (rows 8e .. 8e + 7) is 128 + q(8e + l/2, k + l%2), multiplied by x's (x(k), x(k + 1)) repeated
+// (one 64-bit broadcast), ~19 operations per 64 bytes. A row's two lanes (even and odd inputs)
+// are summed once per block, the group's correction applied per lane with x's sums of the
+// group's even and odd inputs. Float32 sums in another order than the pairs path: within its
+// bfloat16 rounding, not bit-identical to it.
+constexpr int LANES_MAX_M = 2;  // 2 x 8 accumulators; more rows take the pairs path
+
+// Word-pair lanes of two eighths' totals back in row order: even lanes of a then of b (rows
+// 16j + i and 16j + 8 + i), and the odd ones.
+struct RowLanes {
+  alignas(64) int32_t even[16], odd[16];
+  constexpr RowLanes() : even{}, odd{} {
+    for (int i = 0; i < 16; ++i) {
+      even[i] = (i / 8) * 16 + 2 * (i % 8);
+      odd[i] = even[i] + 1;
+    }
+  }
+};
+inline constexpr RowLanes ROW_LANES{};
+
+template <int MR>
+void block_rows_lanes(const uint8_t* block, const uint32_t* scale_zero, int64_t N,
+                      int64_t group_size, const float* const* x, const double* parity_sums,
+                      int64_t groups, c10::BFloat16* const* out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i float_bytes = _mm512_set1_epi32(0x43000000);  // 128.0f
+  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m512 plus_136 = _mm512_set1_ps(ONE_TWENTY_EIGHT_PLUS_EIGHT);
+  __m512i index[4];
+  for (int e = 0; e < 4; ++e) index[e] = _mm512_load_si512(EIGHTH_INDEX.bytes[e]);
+  __m512 total[MR][8];
+  for (int m = 0; m < MR; ++m) {
+    for (int e = 0; e < 8; ++e) total[m][e] = _mm512_setzero_ps();
+  }
+  const int64_t pairs = group_size / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[MR][8];
+    for (int m = 0; m < MR; ++m) {
+      for (int e = 0; e < 8; ++e) acc[m][e] = _mm512_setzero_ps();
+    }
+    for (int64_t p = g * pairs; p < (g + 1) * pairs; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(block + p * 64 + cpu_simd::STREAM_PREFETCH_BYTES),
+                   _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(block + p * 64);
+      const __m512i nibbles[2] = {_mm512_and_si512(v, nibble),
+                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+      __m512 xb[MR];
+      for (int m = 0; m < MR; ++m) {
+        double pair;
+        std::memcpy(&pair, x[m] + 2 * p, sizeof pair);  // (x(k), x(k + 1)) as one 64-bit unit
+        xb[m] = _mm512_castpd_ps(_mm512_set1_pd(pair));
+      }
+      for (int e = 0; e < 8; ++e) {
+        const __m512 w = _mm512_castsi512_ps(
+            _mm512_mask_permutexvar_epi8(float_bytes, NIBBLE_BYTES, index[e % 4], nibbles[e / 4]));
+        for (int m = 0; m < MR; ++m) acc[m][e] = _mm512_fmadd_ps(w, xb[m], acc[m][e]);
+      }
+    }
+    const __m512i doubled[2] = {_mm512_load_si512(DOUBLED_INDEX.lanes[0]),
+                                _mm512_load_si512(DOUBLED_INDEX.lanes[1])};
+    for (int j = 0; j < QUARTERS; ++j) {
+      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
+      const __m512 offset = _mm512_fnmadd_ps(s, plus_136, zf);  // zf - 136 s
+      for (int h = 0; h < 2; ++h) {
+        const int e = 2 * j + h;
+        const __m512 s_lanes = _mm512_permutexvar_ps(doubled[h], s);
+        const __m512 offset_lanes = _mm512_permutexvar_ps(doubled[h], offset);
+        for (int m = 0; m < MR; ++m) {
+          const __m512 sums = _mm512_castpd_ps(_mm512_set1_pd(parity_sums[m * groups + g]));
+          total[m][e] = _mm512_fmadd_ps(s_lanes, acc[m][e], total[m][e]);
+          total[m][e] = _mm512_fmadd_ps(offset_lanes, sums, total[m][e]);
+        }
+      }
+    }
+  }
+  const __m512i even = _mm512_load_si512(ROW_LANES.even), odd = _mm512_load_si512(ROW_LANES.odd);
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < QUARTERS; ++j) {
+      const __m512 a = total[m][2 * j], b = total[m][2 * j + 1];
+      const __m512 rows = _mm512_add_ps(_mm512_permutex2var_ps(a, even, b),
+                                        _mm512_permutex2var_ps(a, odd, b));
+      cpu_simd::store_bf16x16(out[m] + j * 16, cpu_simd::f32x16(rows));
+    }
+  }
+}
+
+// out [M <= LANES_MAX_M, N]: x widened to float32 once, the groups' even and odd input sums
+// as (even, odd) float pairs, then block_rows_lanes per 64-row block.
+inline void linear_lanes(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                         const uint8_t* packed, const uint32_t* sz, int64_t N,
+                         int64_t group_size) {
+  const int64_t blocks = N / BLOCK_ROWS, groups = K / group_size;
+  std::vector<float> xf(size_t(M * K));
+  std::vector<double> parity_sums(size_t(M * groups));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum[2] = {0.0f, 0.0f};
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+        xf[size_t(m * K + k)] = float(x[m * K + k]);
+        sum[k % 2] += xf[size_t(m * K + k)];
+      }
+      std::memcpy(&parity_sums[size_t(m * groups + g)], sum, sizeof sum);
+    }
+  }
+  const float* rows[LANES_MAX_M] = {xf.data(), xf.data() + (M > 1 ? K : 0)};
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      c10::BFloat16* outs[LANES_MAX_M] = {out + b * BLOCK_ROWS, out + N + b * BLOCK_ROWS};
+      const uint8_t* block = packed + b * BLOCK_ROWS * K / 2;
+      if (M == 2) {
+        block_rows_lanes<2>(block, sz + b * BLOCK_ROWS, N, group_size, rows,
+                            parity_sums.data(), groups, outs);
+      } else {
+        block_rows_lanes<1>(block, sz + b * BLOCK_ROWS, N, group_size, rows,
+                            parity_sums.data(), groups, outs);
+      }
+    }
+  });
+}
+#endif  // !__AVX512BF16__
+
 // out [M, N] = x [M, K] @ W.T, W int4 in whole 64-row blocks (N % 64 == 0), bfloat16 x, scales
 // and output. scale_and_zero [K/G, N, 2] (s, zf) as kernels/int4_pack.py describes.
 inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
@@ -265,6 +394,9 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
     });
     return;
   }
+#if !defined(__AVX512BF16__)
+  if (M <= LANES_MAX_M) return linear_lanes(out, x, M, K, packed, sz, N, group_size);
+#endif
   std::vector<float> sums(size_t(M * groups));
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
