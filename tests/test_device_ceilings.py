@@ -137,3 +137,19 @@ def test_refresh_and_bad_cache_file(cache_dir, monkeypatch):
     get_ceilings("cpu", refresh=True)
     assert len(calls) == 2
     assert json.loads((cache_dir / CACHE_FILE_NAME).read_text())  # rewritten, valid again
+
+
+def test_cpu_bfloat16_roof_is_at_least_float32s(monkeypatch):
+    """Where torch's bf16 matmul is emulated (a CPU without AVX512-BF16) it measures far below
+    float32, yet a bf16 product can always run at float32's rate (the C++ kernels do): the roof
+    is the higher one. On a GPU the measured peaks stand as they are."""
+    peaks = {"float32": 300e9, "bfloat16": 55e9}
+    monkeypatch.setattr(dc, "measure_bandwidth", lambda device: 25e9)
+    monkeypatch.setattr(dc, "measure_matmul_flops", lambda device, dtype: peaks[dtype])
+    cpu = dc.measure_ceilings("cpu", ["float32", "bfloat16"])
+    assert cpu.peak("bfloat16") == cpu.peak("float32") == 300e9
+    monkeypatch.setattr(dc, "device_name", lambda device: "a GPU")
+    gpu = dc.measure_ceilings("cuda", ["float32", "bfloat16"])
+    assert gpu.peak("bfloat16") == 55e9
+    peaks["bfloat16"] = 900e9  # AMX / AVX512-BF16: bf16 already the higher roof
+    assert dc.measure_ceilings("cpu", ["float32", "bfloat16"]).peak("bfloat16") == 900e9

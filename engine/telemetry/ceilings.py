@@ -260,6 +260,13 @@ def measure_ceilings(device: str = "cpu", dtypes: Sequence[str] = DTYPES) -> Dev
         except (RuntimeError, NotImplementedError):
             if d != "int8":  # torch._int_mm is missing on some builds and devices: no int8 roof
                 raise
+    if not device.startswith("cuda") and "float32" in peaks and "bfloat16" in peaks:
+        # A bfloat16 product never needs to run slower than float32's: both factors widen
+        # exactly (a shift), and the C++ kernels do just that on CPUs without AVX512-BF16,
+        # where torch's bfloat16 matmul is oneDNN's emulation (55 GFLOP/s against ~300 for
+        # float32 on a 2-core cloud Xeon, 2026-12-07; the engine's steps then ran above that
+        # "roof"). The roof is what the hardware allows, so bfloat16 gets at least float32's.
+        peaks["bfloat16"] = max(peaks["bfloat16"], peaks["float32"])
     return DeviceCeilings(
         name=device_name(device),
         peak_flops_per_s=peaks,
