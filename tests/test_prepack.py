@@ -17,7 +17,8 @@ from engine.runner.models.prepack import (
 
 pytestmark = pytest.mark.skipif(
     not can_prepack(torch.device("cpu"), torch.bfloat16),
-    reason="this CPU or torch build has no oneDNN bfloat16 linear",
+    reason="oneDNN packs no bf16 weights here (no oneDNN bf16, or a CPU without AVX512-BF16: "
+    "there the pairs layout is ours, tests/test_prepack_pairs.py)",
 )
 
 
