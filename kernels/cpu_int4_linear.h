@@ -47,6 +47,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "cpu_f32_tiles.h"
 #include "cpu_pair_tiles.h"
 #include "cpu_simd.h"
 
@@ -374,6 +375,64 @@ inline void linear_lanes(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, 
 }
 #endif  // !__AVX512BF16__
 
+#if defined(CPU_F32_TILES)
+// vpermb indices for quarter-row float32 lanes (cpu_f32_tiles.h's [K][64] layout): lane l of
+// QUARTER_INDEX[h][par] takes row 16 h + l's nibble (of the low or high nibble vector) of input
+// k + par into byte 2 of 128.0f, as EIGHTH_INDEX does for (row, input) interleaved lanes.
+struct QuarterIndex {
+  alignas(64) uint8_t bytes[2][2][64];
+  constexpr QuarterIndex() : bytes{} {
+    for (int h = 0; h < 2; ++h) {
+      for (int par = 0; par < 2; ++par) {
+        for (int l = 0; l < 16; ++l) bytes[h][par][4 * l + 2] = uint8_t(32 * par + 16 * h + l);
+      }
+    }
+  }
+};
+inline constexpr QuarterIndex QUARTER_INDEX{};
+
+// A block of int4 weights -> float32 [K][64] (cpu_f32_tiles.h) of w = (q - 8) s + zf computed
+// as build_dequantized_pairs does ((128 + q) s + (zf - 136 s), one multiply-add) and rounded to
+// bfloat16 as it does, so the tiles multiply the same weights; per pair of inputs 8 vpermb, 8
+// FMAs and 8 roundings of 16 lanes, and no pair packing.
+inline void build_dequantized_f32(const uint8_t* block, const uint32_t* scale_zero, int64_t N,
+                                  int64_t K, int64_t group_size, float* wf) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i float_bytes = _mm512_set1_epi32(0x43000000);  // 128.0f
+  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
+  __m512i index[2][2];
+  for (int h = 0; h < 2; ++h) {
+    for (int par = 0; par < 2; ++par) {
+      index[h][par] = _mm512_load_si512(QUARTER_INDEX.bytes[h][par]);
+    }
+  }
+  for (int64_t g = 0; g < K / group_size; ++g) {
+    __m512 scale[QUARTERS], offset[QUARTERS];
+    for (int j = 0; j < QUARTERS; ++j) {
+      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
+      scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
+      offset[j] = _mm512_fnmadd_ps(scale[j], _mm512_set1_ps(ONE_TWENTY_EIGHT_PLUS_EIGHT), zf);
+    }
+    for (int64_t p = g * group_size / 2; p < (g + 1) * group_size / 2; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(block + p * 64 + cpu_simd::STREAM_PREFETCH_BYTES),
+                   _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(block + p * 64);
+      const __m512i nibbles[2] = {_mm512_and_si512(v, nibble),
+                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+      for (int j = 0; j < QUARTERS; ++j) {
+        for (int par = 0; par < 2; ++par) {
+          const __m512i f = _mm512_mask_permutexvar_epi8(float_bytes, NIBBLE_BYTES,
+                                                         index[j % 2][par], nibbles[j / 2]);
+          const __m512 w = _mm512_fmadd_ps(_mm512_castsi512_ps(f), scale[j], offset[j]);
+          _mm512_store_ps(wf + (2 * p + par) * 64 + 16 * j, cpu_f32_tiles::round_to_bf16(w));
+        }
+      }
+    }
+  }
+}
+#endif  // CPU_F32_TILES
+
 // out [M, N] = x [M, K] @ W.T, W int4 in whole 64-row blocks (N % 64 == 0), bfloat16 x, scales
 // and output. scale_and_zero [K/G, N, 2] (s, zf) as kernels/int4_pack.py describes.
 inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
@@ -382,6 +441,23 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
   const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_and_zero);
   const int64_t blocks = N / BLOCK_ROWS, groups = K / group_size;
   if (M >= DEQUANTIZED_PAIRS_MIN_M) {  // dequantize each block once, then the bf16 pairs loop
+#if defined(CPU_F32_TILES)
+    // Without AVX512-BF16: into float32 lanes, then plain FMAs (cpu_f32_tiles.h): SmolLM2's 30
+    // layers, 2-core cloud Xeon, min of 5, ms, bf16 pairs vs float32 lanes: 9 rows 17.1 vs 13.9,
+    // 16 rows 22.6 vs 17.6, 64 rows 65.3 vs 50.3, 512 rows 457 vs 361 (same bits).
+    const std::vector<float> xf = cpu_f32_tiles::widen_rows(x, M, K);
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      float* wf = cpu_f32_tiles::block_buffer(K);
+      for (int64_t b = begin; b < end; ++b) {
+        build_dequantized_f32(packed + b * BLOCK_ROWS * K / 2, sz + b * BLOCK_ROWS, N, K,
+                              group_size, wf);
+        const uint8_t* next = b + 1 < end ? packed + (b + 1) * BLOCK_ROWS * K / 2 : nullptr;
+        cpu_f32_tiles::all_rows(wf, xf.data(), M, K, out, N, b * BLOCK_ROWS, next,
+                                BLOCK_ROWS * K / 2, 0);
+      }
+    });
+    return;
+#endif
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<__m512i> buffer(size_t(K / 2 * QUARTERS));  // K/2 x 256 bytes, in L2
       uint32_t* pairs = reinterpret_cast<uint32_t*>(buffer.data());

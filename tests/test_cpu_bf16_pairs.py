@@ -71,8 +71,9 @@ def test_the_builds_differ_as_intended(fused):
     assert not native.has_amx_linear() and not fallback.has_amx_linear()
 
 
-# 3-4: the nibbles' products (tiles of 4); 5: two tiles; 9 and 64: the dequantized pairs.
-@pytest.mark.parametrize("rows", [3, 5, 9, 64])
+# 3-4: the nibbles' products (tiles of 4); 5: two tiles; 9, 38 and 64: the dequantized pairs
+# (without AVX512-BF16 float32 lanes, cpu_f32_tiles.h; 38: a last tile of 2 rows).
+@pytest.mark.parametrize("rows", [3, 5, 9, 38, 64])
 def test_int4_linear_same_bits(fused, rows):
     gen = torch.Generator().manual_seed(rows)
     packed, scale_and_zero, _ = int4_weight(192, 576, 64, gen)
@@ -106,7 +107,9 @@ def test_int8_linear_same_bits(fused, rows):
     assert torch.equal(native, fallback)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, 64])
+# From 33 rows, without AVX512-BF16, blocks widened to float32 (cpu_f32_tiles.h); 38: a last
+# tile of 2 rows (two accumulator sets, as the pairs loop).
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 33, 38, 64])
 def test_packed_bf16_linear_same_bits(fused, rows):
     n, k = 192, 576
     gen = torch.Generator().manual_seed(rows)
