@@ -32,6 +32,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "cpu_decode_bf16.h"
+#include "cpu_f32_tiles.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -184,6 +185,85 @@ inline void linear_lanes(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, 
   });
 }
 
+#if defined(CPU_F32_TILES)
+// The x-lanes product without AVX512-BF16, where vdpbf16ps is emulated (~1.6 vector operations
+// per FMA here): x as float32 lanes, xl[(t * K + k) * 16 + i] = x(16 t + i, k), and the 16
+// weight rows widened to float32 (exact), so a step is a broadcast and FMAs, in the pairs
+// loop's order (per pair the odd input first): the same bits as linear_lanes
+// (tests/test_cpu_bf16_pairs.py). SmolLM2's 30 layers, 2-core cloud Xeon, min of 5, ms, pairs /
+// float32: 32 rows 40.5 / 30.9, 64 rows 65.0 / 53.3, 100 rows 108.6 / 94.3, 512 rows 467 / 460
+// (there x's lanes, re-read per group of 16 weight rows, are what bounds it).
+inline std::vector<float> x_lanes_f32(const c10::BFloat16* x, int64_t M, int64_t K) {
+  const int64_t tiles = (M + X_ROWS - 1) / X_ROWS;
+  std::vector<float> xl(size_t(tiles * K * X_ROWS), 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    float* lane = xl.data() + (m / X_ROWS) * K * X_ROWS + m % X_ROWS;
+    for (int64_t k = 0; k < K; ++k) lane[k * X_ROWS] = cpu_simd::to_float(x[m * K + k]);
+  }
+  return xl;
+}
+
+template <int TILES>
+inline void lanes_product_f32(const float* w, int64_t K, const float* xl_tiles,
+                              float (*acc)[256]) {
+  constexpr int W_TILE = TILES <= 2 ? 8 : 4;  // as lanes_product
+  for (int n0 = 0; n0 < W_ROWS; n0 += W_TILE) {
+    __m512 a[W_TILE][TILES];
+    for (int n = 0; n < W_TILE; ++n) {
+      for (int t = 0; t < TILES; ++t) a[n][t] = _mm512_setzero_ps();
+    }
+    auto input = [&](int64_t k) __attribute__((always_inline)) {
+      __m512 xv[TILES];
+      for (int t = 0; t < TILES; ++t) xv[t] = _mm512_loadu_ps(xl_tiles + (t * K + k) * X_ROWS);
+      for (int n = 0; n < W_TILE; ++n) {
+        const __m512 wb = _mm512_set1_ps(w[(n0 + n) * K + k]);
+        for (int t = 0; t < TILES; ++t) a[n][t] = _mm512_fmadd_ps(xv[t], wb, a[n][t]);
+      }
+    };
+    for (int64_t p = 0; p < K / 2; ++p) {
+      input(2 * p + 1);  // the odd input first, as vdpbf16ps adds it
+      input(2 * p);
+    }
+    for (int n = 0; n < W_TILE; ++n) {
+      for (int t = 0; t < TILES; ++t) _mm512_store_ps(acc[t] + (n0 + n) * 16, a[n][t]);
+    }
+  }
+}
+
+inline void linear_lanes_f32(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                             const int8_t* q, const c10::BFloat16* scales, int64_t N) {
+  const int64_t x_tiles = (M + X_ROWS - 1) / X_ROWS;
+  const std::vector<float> xl = x_lanes_f32(x, M, K);
+  at::parallel_for(0, N / W_ROWS, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> buffer(size_t(W_ROWS * K / 16));  // 16 rows in float32, in L2
+    float* w = reinterpret_cast<float*>(buffer.data());
+    alignas(64) float acc[X_TILES][256];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * W_ROWS;
+      const int8_t* rows = q + n0 * K;
+      for (int64_t i = 0; i < W_ROWS * K; i += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows + i + cpu_simd::STREAM_PREFETCH_BYTES),
+                     _MM_HINT_T0);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i));
+        _mm512_store_ps(w + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+      }
+      const __m512 s = (__m512)cpu_simd::load_bf16x16(scales + n0);
+      for (int64_t t0 = 0; t0 < x_tiles; t0 += X_TILES) {
+        const int64_t tiles = std::min<int64_t>(X_TILES, x_tiles - t0);
+        const float* xl_tiles = xl.data() + t0 * K * X_ROWS;
+        switch (tiles) {
+          case 4: lanes_product_f32<4>(w, K, xl_tiles, acc); break;
+          case 3: lanes_product_f32<3>(w, K, xl_tiles, acc); break;
+          case 2: lanes_product_f32<2>(w, K, xl_tiles, acc); break;
+          default: lanes_product_f32<1>(w, K, xl_tiles, acc); break;
+        }
+        write_rows(acc, tiles, t0 * X_ROWS, M, N, n0, s, out);
+      }
+    }
+  });
+}
+#endif  // CPU_F32_TILES
+
 // 5-31 rows, dot products: the weight rows widened as above (the next 16 interleaved), and
 // each (weight row, x row) a dot product over 32-input chunks read straight from both rows
 // (vdpbf16ps: the chunk's 16 pairs in one instruction); a tile is 4 weight rows x up to 4 x
@@ -283,7 +363,12 @@ inline void linear_dot(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, in
 // scales and out; from DOT_MIN_M rows.
 inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
                    const int8_t* q, const c10::BFloat16* scales, int64_t N) {
-  if (M >= LANES_MIN_M) return linear_lanes(out, x, M, K, q, scales, N);
+  if (M >= LANES_MIN_M) {
+#if defined(CPU_F32_TILES)
+    return linear_lanes_f32(out, x, M, K, q, scales, N);
+#endif
+    return linear_lanes(out, x, M, K, q, scales, N);
+  }
   return linear_dot(out, x, M, K, q, scales, N);
 }
 

@@ -96,8 +96,9 @@ def test_int4_linear_one_or_two_rows_take_float_lanes_without_bf16(fused, rows):
     assert (fallback == native).float().mean() > 0.9
 
 
-# 1: the FMA kernel (no pairs); 5 and 17: dot products; 32 and 64: x lanes.
-@pytest.mark.parametrize("rows", [1, 5, 17, 32, 64])
+# 1: the FMA kernel (no pairs); 5 and 17: dot products; 32, 64 and 100: x lanes (without
+# AVX512-BF16 in float32, cpu_int8_rows.h's linear_lanes_f32; 100: a partial x tile).
+@pytest.mark.parametrize("rows", [1, 5, 17, 32, 64, 100])
 def test_int8_linear_same_bits(fused, rows):
     gen = torch.Generator().manual_seed(rows)
     q = torch.randint(-127, 128, (192, 576), dtype=torch.int8, generator=gen)
