@@ -82,6 +82,29 @@ struct PairIndex {
 inline constexpr PairIndex PAIR_INDEX{};
 constexpr float ONE_TWENTY_EIGHT_PLUS_EIGHT = 136.0f;  // the a(k) offset plus the layout's 8
 
+// 16 rows' s and zf - 136 s (the offset of the (128 + q) form) of group g, from their (s, zf)
+// bfloat16 pairs at scale_zero + g * N + 16 j (s in the low half of each 32-bit lane).
+struct ScaleOffset {
+  __m512 scale, offset;
+};
+__attribute__((always_inline)) inline ScaleOffset scale_offset(const uint32_t* scale_zero,
+                                                               int64_t g, int64_t N, int j) {
+  const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
+  const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
+  return {s, _mm512_fnmadd_ps(s, _mm512_set1_ps(ONE_TWENTY_EIGHT_PLUS_EIGHT), zf)};
+}
+
+// A 64-byte load of nibbles split: [0] the low nibbles (rows 0-31), [1] the high (rows 32-63);
+// the stream is requested STREAM_PREFETCH_BYTES ahead (cpu_simd.h).
+__attribute__((always_inline)) inline void split_nibbles(const uint8_t* bytes, __m512i (&out)[2]) {
+  _mm_prefetch(reinterpret_cast<const char*>(bytes + cpu_simd::STREAM_PREFETCH_BYTES), _MM_HINT_T0);
+  const __m512i v = _mm512_loadu_si512(bytes), nibble = _mm512_set1_epi8(0x0F);
+  out[0] = _mm512_and_si512(v, nibble);
+  out[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+}
+
 // acc[m][quarter] += sum over the group's input pairs of (128 + q) * x, for MR x rows.
 // Two accumulator sets (even and odd pairs) when they fit the registers: a vdpbf16ps waits on
 // the previous one into the same accumulator, and 4 chains do not cover its latency.
@@ -90,7 +113,6 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
                                                       const uint32_t* const* x_pairs,
                                                       __m512 (&acc)[MR][QUARTERS]) {
   constexpr int SETS = MR <= 2 ? 2 : 1;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i high_byte = _mm512_set1_epi8(0x43);
   const __m512i index_lo = _mm512_load_si512(PAIR_INDEX.bytes[0]);
   const __m512i index_hi = _mm512_load_si512(PAIR_INDEX.bytes[1]);
@@ -102,15 +124,12 @@ __attribute__((always_inline)) inline void group_dots(const uint8_t* bytes, int6
   }
   for (int64_t p = 0; p < pairs; p += SETS) {
     for (int s = 0; s < SETS; ++s) {
-      const uint8_t* ahead = bytes + (p + s) * 64 + cpu_simd::STREAM_PREFETCH_BYTES;
-      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(bytes + (p + s) * 64);
-      const __m512i lo = _mm512_and_si512(v, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      const __m512i w[QUARTERS] = {_mm512_permutex2var_epi8(lo, index_lo, high_byte),
-                                   _mm512_permutex2var_epi8(lo, index_hi, high_byte),
-                                   _mm512_permutex2var_epi8(hi, index_lo, high_byte),
-                                   _mm512_permutex2var_epi8(hi, index_hi, high_byte)};
+      __m512i n[2];  // low, high nibbles
+      split_nibbles(bytes + (p + s) * 64, n);
+      const __m512i w[QUARTERS] = {_mm512_permutex2var_epi8(n[0], index_lo, high_byte),
+                                   _mm512_permutex2var_epi8(n[0], index_hi, high_byte),
+                                   _mm512_permutex2var_epi8(n[1], index_lo, high_byte),
+                                   _mm512_permutex2var_epi8(n[1], index_hi, high_byte)};
       for (int m = 0; m < MR; ++m) {
         const __m512i xb = _mm512_set1_epi32(int(x_pairs[m][p + s]));
         for (int j = 0; j < QUARTERS; ++j) {
@@ -143,12 +162,7 @@ void block_rows(const uint8_t* block, const uint32_t* scale_zero, int64_t N, int
     __m512 acc[MR][QUARTERS];
     group_dots<MR>(block + g * group_size * 32, pairs, group_pairs, acc);
     for (int j = 0; j < QUARTERS; ++j) {
-      // 16 rows' (s, zf) bfloat16 pairs: s in the low half of each 32-bit lane.
-      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-      const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
-      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
-      const __m512 offset = _mm512_fnmadd_ps(s, _mm512_set1_ps(ONE_TWENTY_EIGHT_PLUS_EIGHT), zf);
+      const auto [s, offset] = scale_offset(scale_zero, g, N, j);
       for (int m = 0; m < MR; ++m) {
         total[m][j] = _mm512_fmadd_ps(s, acc[m][j], total[m][j]);
         const __m512 x_sum = _mm512_set1_ps(x_group_sums[m * groups + g]);
@@ -203,9 +217,7 @@ inline constexpr DoubledIndex DOUBLED_INDEX{};
 // ahead (they were read on demand, not overlapped with the conversion).
 inline void build_dequantized_pairs(const uint8_t* block, const uint32_t* scale_zero, int64_t N,
                                     int64_t K, int64_t group_size, uint32_t* pairs) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i float_bytes = _mm512_set1_epi32(0x43000000);  // 128.0f
-  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
   __m512i index[4];
   for (int e = 0; e < 4; ++e) index[e] = _mm512_load_si512(EIGHTH_INDEX.bytes[e]);
   const __m512i doubled_lo = _mm512_load_si512(DOUBLED_INDEX.lanes[0]);
@@ -214,22 +226,15 @@ inline void build_dequantized_pairs(const uint8_t* block, const uint32_t* scale_
     // Per eighth of the block's rows (8 rows), s and zf - 136 s doubled: lane l for row l / 2.
     __m512 scale[8], offset[8];
     for (int j = 0; j < QUARTERS; ++j) {
-      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
-      const __m512 plus_136 = _mm512_set1_ps(ONE_TWENTY_EIGHT_PLUS_EIGHT);
-      const __m512 off = _mm512_fnmadd_ps(s, plus_136, zf);  // zf - 136 s
+      const auto [s, off] = scale_offset(scale_zero, g, N, j);
       scale[2 * j] = _mm512_permutexvar_ps(doubled_lo, s);
       scale[2 * j + 1] = _mm512_permutexvar_ps(doubled_hi, s);
       offset[2 * j] = _mm512_permutexvar_ps(doubled_lo, off);
       offset[2 * j + 1] = _mm512_permutexvar_ps(doubled_hi, off);
     }
     for (int64_t p = g * group_size / 2; p < (g + 1) * group_size / 2; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(block + p * 64 + cpu_simd::STREAM_PREFETCH_BYTES),
-                   _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(block + p * 64);
-      const __m512i nibbles[2] = {_mm512_and_si512(v, nibble),
-                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+      __m512i nibbles[2];
+      split_nibbles(block + p * 64, nibbles);
       for (int j = 0; j < QUARTERS; ++j) {
         __m512 w[2];
         for (int h = 0; h < 2; ++h) {
@@ -276,10 +281,7 @@ template <int MR>
 void block_rows_lanes(const uint8_t* block, const uint32_t* scale_zero, int64_t N,
                       int64_t group_size, const float* const* x, const double* parity_sums,
                       int64_t groups, c10::BFloat16* const* out) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i float_bytes = _mm512_set1_epi32(0x43000000);  // 128.0f
-  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
-  const __m512 plus_136 = _mm512_set1_ps(ONE_TWENTY_EIGHT_PLUS_EIGHT);
   __m512i index[4];
   for (int e = 0; e < 4; ++e) index[e] = _mm512_load_si512(EIGHTH_INDEX.bytes[e]);
   __m512 total[MR][8];
@@ -293,11 +295,8 @@ void block_rows_lanes(const uint8_t* block, const uint32_t* scale_zero, int64_t 
       for (int e = 0; e < 8; ++e) acc[m][e] = _mm512_setzero_ps();
     }
     for (int64_t p = g * pairs; p < (g + 1) * pairs; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(block + p * 64 + cpu_simd::STREAM_PREFETCH_BYTES),
-                   _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(block + p * 64);
-      const __m512i nibbles[2] = {_mm512_and_si512(v, nibble),
-                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+      __m512i nibbles[2];
+      split_nibbles(block + p * 64, nibbles);
       __m512 xb[MR];
       for (int m = 0; m < MR; ++m) {
         double pair;
@@ -313,10 +312,7 @@ void block_rows_lanes(const uint8_t* block, const uint32_t* scale_zero, int64_t 
     const __m512i doubled[2] = {_mm512_load_si512(DOUBLED_INDEX.lanes[0]),
                                 _mm512_load_si512(DOUBLED_INDEX.lanes[1])};
     for (int j = 0; j < QUARTERS; ++j) {
-      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
-      const __m512 offset = _mm512_fnmadd_ps(s, plus_136, zf);  // zf - 136 s
+      const auto [s, offset] = scale_offset(scale_zero, g, N, j);
       for (int h = 0; h < 2; ++h) {
         const int e = 2 * j + h;
         const __m512 s_lanes = _mm512_permutexvar_ps(doubled[h], s);
@@ -397,9 +393,7 @@ inline constexpr QuarterIndex QUARTER_INDEX{};
 // FMAs and 8 roundings of 16 lanes, and no pair packing.
 inline void build_dequantized_f32(const uint8_t* block, const uint32_t* scale_zero, int64_t N,
                                   int64_t K, int64_t group_size, float* wf) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i float_bytes = _mm512_set1_epi32(0x43000000);  // 128.0f
-  const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
   __m512i index[2][2];
   for (int h = 0; h < 2; ++h) {
     for (int par = 0; par < 2; ++par) {
@@ -409,17 +403,13 @@ inline void build_dequantized_f32(const uint8_t* block, const uint32_t* scale_ze
   for (int64_t g = 0; g < K / group_size; ++g) {
     __m512 scale[QUARTERS], offset[QUARTERS];
     for (int j = 0; j < QUARTERS; ++j) {
-      const __m512i sz = _mm512_loadu_si512(scale_zero + g * N + j * 16);
-      scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-      const __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(sz, high_half));
-      offset[j] = _mm512_fnmadd_ps(scale[j], _mm512_set1_ps(ONE_TWENTY_EIGHT_PLUS_EIGHT), zf);
+      const ScaleOffset so = scale_offset(scale_zero, g, N, j);
+      scale[j] = so.scale;
+      offset[j] = so.offset;
     }
     for (int64_t p = g * group_size / 2; p < (g + 1) * group_size / 2; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(block + p * 64 + cpu_simd::STREAM_PREFETCH_BYTES),
-                   _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(block + p * 64);
-      const __m512i nibbles[2] = {_mm512_and_si512(v, nibble),
-                                  _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+      __m512i nibbles[2];
+      split_nibbles(block + p * 64, nibbles);
       for (int j = 0; j < QUARTERS; ++j) {
         for (int par = 0; par < 2; ++par) {
           const __m512i f = _mm512_mask_permutexvar_epi8(float_bytes, NIBBLE_BYTES,
