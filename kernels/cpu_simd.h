@@ -152,11 +152,12 @@ inline f32x16 round_bf16x16(f32x16 v) {
 // both instructions need AVX512-BF16 (Zen 4, Sapphire Rapids and later), which Skylake-X to Ice
 // Lake servers lack and which some hypervisors hide from a guest of a CPU that has it (a 2-core
 // cloud Xeon of 2026 reported AVX512-VNNI and VBMI but neither AVX512-BF16 nor AMX). Without
-// it the same arithmetic takes a few AVX-512F instructions, with the same results: a bfloat16
-// widens to float32 exactly by a shift (even half) or a mask (odd half), the product of two
-// bfloat16 is exact in float32, and vdpbf16ps adds the odd product before the even one, each
-// rounded once, as two FMAs do. (The instruction also flushes subnormal inputs and outputs to
-// zero; below 1.2e-38 the two may differ.)
+// it the same arithmetic takes a few AVX-512F instructions: a bfloat16 widens to float32
+// exactly by a shift (even half) or a mask (odd half), the product of two bfloat16 is exact in
+// float32, and vdpbf16ps adds the odd product before the even one, each rounded, by Intel's
+// description, as two FMAs do: the same results, unless a CPU's instruction rounds the pair's
+// sum once (a last float32 bit). The instruction also flushes subnormals to zero (below
+// 1.2e-38 the two may differ). tests/test_cpu_bf16_pairs.py compares the two builds.
 #define CPU_BF16_PAIRS 1
 
 // acc + a.odd * b.odd + a.even * b.even per 32-bit lane of bfloat16 pairs (vdpbf16ps).
