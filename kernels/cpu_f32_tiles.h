@@ -14,6 +14,7 @@
 // (tests/test_cpu_bf16_pairs.py). Included by cpu_fused_ops.cpp and cpu_int4_linear.h.
 #pragma once
 
+#include "cpu_pair_tiles.h"
 #include "cpu_simd.h"
 
 #if defined(CPU_BF16_PAIRS) && !defined(__AVX512BF16__)
@@ -27,9 +28,10 @@
 
 namespace cpu_f32_tiles {
 
-constexpr int BLOCK_ROWS = 64;
-constexpr int QUARTERS = 4;  // 16-row vectors per block
-constexpr int TILE_M = 4;    // x rows per pass: 16 accumulators, 4 weight vectors, a broadcast
+// The pairs loops' blocks and tiles (a tile: 16 accumulators, 4 weight vectors, a broadcast).
+constexpr int BLOCK_ROWS = cpu_pair_tiles::BLOCK_ROWS;
+constexpr int QUARTERS = cpu_pair_tiles::QUARTERS;
+constexpr int TILE_M = cpu_pair_tiles::TILE_M;
 
 // A block in the pairs layout (per input pair p, 4 vectors of 16 rows' (w(n, 2p), w(n, 2p + 1))
 // bfloat16 pairs) -> float32 [K][64]: the even inputs by a shift, the odd ones by a mask.
@@ -88,15 +90,6 @@ inline void block_tile(const float* wf, int64_t K, const float* const* x,
       cpu_simd::store_bf16x16(out[m] + j * 16, cpu_simd::f32x16(sum));
     }
   }
-}
-
-// v rounded to bfloat16 (nearest even), kept as float32 lanes: the value vcvtne2ps2bf16 and a
-// widening would give, in four integer steps (finite inputs: the weights dequantized here).
-inline __m512 round_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(int(0xFFFF0000u))));
 }
 
 // x bfloat16 [M, K] -> float32 [M, K] (exact), once per call.

@@ -415,7 +415,8 @@ inline void build_dequantized_f32(const uint8_t* block, const uint32_t* scale_ze
           const __m512i f = _mm512_mask_permutexvar_epi8(float_bytes, NIBBLE_BYTES,
                                                          index[j % 2][par], nibbles[j / 2]);
           const __m512 w = _mm512_fmadd_ps(_mm512_castsi512_ps(f), scale[j], offset[j]);
-          _mm512_store_ps(wf + (2 * p + par) * 64 + 16 * j, cpu_f32_tiles::round_to_bf16(w));
+          const cpu_simd::f32x16 rounded = cpu_simd::round_bf16x16(cpu_simd::f32x16(w));
+          _mm512_store_ps(wf + (2 * p + par) * 64 + 16 * j, __m512(rounded));
         }
       }
     }

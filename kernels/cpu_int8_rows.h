@@ -235,8 +235,7 @@ inline void linear_lanes_f32(c10::BFloat16* out, const c10::BFloat16* x, int64_t
   const int64_t x_tiles = (M + X_ROWS - 1) / X_ROWS;
   const std::vector<float> xl = x_lanes_f32(x, M, K);
   at::parallel_for(0, N / W_ROWS, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> buffer(size_t(W_ROWS * K / 16));  // 16 rows in float32, in L2
-    float* w = reinterpret_cast<float*>(buffer.data());
+    float* w = cpu_f32_tiles::block_buffer(K);  // 16 rows in float32 (it holds 64), in L2
     alignas(64) float acc[X_TILES][256];
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * W_ROWS;

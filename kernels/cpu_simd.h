@@ -110,6 +110,16 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 
+// v's lanes rounded to bfloat16 by the bits, nearest even (c10::BFloat16's rule), NaN made
+// the quiet NaN 0x7FC0: the bfloat16 in each lane's top half, the low half zero.
+inline u32x16 bf16_bits_on_top(f32x16 v) {
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  const u32x16 is_nan = (u32x16)(v != v);  // all ones where NaN
+  return (is_nan & 0x7FC00000u) | (~is_nan & rounded);
+}
+
 // 16 float32 lanes -> bfloat16, rounded to nearest even (c10::BFloat16's rule), NaN kept a
 // quiet NaN. With AVX512-BF16 one vcvtneps2bf16 (as oneDNN's bf16 kernels round), which also
 // flushes float32 subnormals (< 1.2e-38) to a signed zero; elsewhere the same rounding on the
@@ -120,12 +130,7 @@ inline void store_bf16x16(void* p, f32x16 v) {
   std::memcpy(&x, &v, sizeof x);
   _mm256_storeu_si256(static_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
 #else
-  u32x16 bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const u32x16 is_nan = (u32x16)(v != v);  // all ones where NaN
-  const u32x16 out = (is_nan & 0x7FC0u) | (~is_nan & rounded);
-  const u16x16 narrow = __builtin_convertvector(out, u16x16);
+  const u16x16 narrow = __builtin_convertvector(bf16_bits_on_top(v) >> 16, u16x16);
   std::memcpy(p, &narrow, sizeof narrow);
 #endif
 }
@@ -140,9 +145,7 @@ inline f32x16 round_bf16x16(f32x16 v) {
   const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16);
   return bits_to_floats(u32x16(wide));
 #else
-  uint16_t tmp[LANES];
-  store_bf16x16(tmp, v);
-  return load_bf16x16(tmp);
+  return bits_to_floats(bf16_bits_on_top(v));  // in registers (it went through memory)
 #endif
 }
 
