@@ -5,16 +5,19 @@
     python -m benchmarks.packed_linear --rows 4 16 64 --quantized   # + int8 / int4 kernels
 
 The model's decoder linears (q/k/v, o, gate/up, down; random bfloat16 weights, --layers of
-them, so a call streams their weights from memory as a decode step does) are packed once for
-oneDNN (engine/runner/models/prepack.py). For each number of rows M, one pass over all of them
-is timed two ways, interleaved run by run: packed_bf16_linear (kernels/cpu_fused_ops.cpp: the
-vdpbf16ps kernel for few rows, AMX tiles from 5 rows where the CPU has them, reading the
-packed bytes in place) and torch.ops.mkldnn._linear_pointwise (oneDNN's GEMM on the same
-packed weight: what the engine calls above packed_gemv_max_rows). With --quantized, also the
-weight-only kernels the engine's int8 and int4 (group 64) layers call on the same weights,
-quantized once (int8_linear and int4_linear: at many rows int4's dequantized block pairs,
-int8's dot products and x lanes, or AMX tiles; kernels/README.md). Prints JSON: min and median ms per pass and the ratios of the
-mins. Shapes whose packed layout the kernel cannot read are left out (and listed).
+them, so a call streams their weights from memory as a decode step does; with --lm-head also
+the LM head once) are packed once for oneDNN (engine/runner/models/prepack.py) and, on CPUs
+without AVX512-BF16 (where oneDNN keeps the plain layout), into the kernel's pairs layout as
+the engine does. For each number of rows M, one pass over all of them is timed two ways,
+interleaved run by run: packed_bf16_linear (kernels/cpu_fused_ops.cpp: the pairs kernel for
+few rows, AMX tiles from 5 rows where the CPU has them, float32 tiles from 33 rows on CPUs
+without AVX512-BF16, reading the packed bytes in place) and torch.ops.mkldnn._linear_pointwise
+(oneDNN's GEMM on its packed weight: what the engine calls above packed_gemv_max_rows). With
+--quantized, also the weight-only kernels the engine's int8 and int4 (group 64) layers call on
+the same weights, quantized once (int8_linear and int4_linear; kernels/README.md), and with
+int8 activations where the CPU has the kernel. Prints JSON: min and median ms per pass and
+the ratios of the mins. Shapes the kernel cannot read are left out (and listed); if none is
+left, it stops with an error instead of printing a report of nothing.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import torch
 from benchmarks.common import emit
 from engine.runner.models.prepack import (
     cpu_has_amx,
+    own_pairs_layout,
     packed_gemv_max_rows,
     packed_layout_matches,
+    pairs_layout,
 )
 from engine.runner.models.presets import MODEL_PRESETS
 from engine.runner.quant.formats import quantize_int4, quantize_int8
@@ -50,11 +55,24 @@ def quantized_forms(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"q8": q8.qweight, "s8": q8.scales.bfloat16(), "p4": pack_int4(q4.qweight), "sz4": sz4}
 
 
+def kernel_layout(n: int, k: int) -> str | None:
+    """Whose packed bytes packed_bf16_linear reads for a bf16 [n, k] weight here: "onednn"
+    (its layout is the kernel's), "ours" (CPUs without AVX512-BF16: prepack.own_pairs_layout),
+    or None (the engine leaves such a weight unpacked)."""
+    if packed_layout_matches(n, k, torch.bfloat16):
+        return "onednn"
+    if own_pairs_layout(n, k, torch.bfloat16, cpu_fused_ops):
+        return "ours"
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="smollm2-135m", choices=sorted(MODEL_PRESETS))
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32, 64, 128, 256, 512])
     p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
+    p.add_argument("--lm-head", action="store_true",
+                   help="also the LM head [vocab, hidden] (once per pass, as in a step)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantized", action="store_true",
@@ -75,17 +93,32 @@ def main(argv: list[str] | None = None) -> dict:
         "gate_up": (2 * inter, h),
         "down": (h, inter),
     }
-    readable = {k: s for k, s in shapes.items() if packed_layout_matches(*s, torch.bfloat16)}
+    if args.lm_head:
+        shapes["lm_head"] = (arch.vocab_size, h)
+    layouts = {k: kernel_layout(*s) for k, s in shapes.items()}
+    readable = {k: s for k, s in shapes.items() if layouts[k] is not None}
+    if not readable:
+        raise SystemExit(
+            f"packed_bf16_linear reads none of {args.preset}'s shapes on this CPU "
+            "(oneDNN packs them otherwise and the engine keeps them unpacked): nothing to time"
+        )
     gen = torch.Generator().manual_seed(args.seed)
-    weights = []  # per layer and shape: N, K, the packed bf16 weight and its quantized forms
-    for _ in range(args.layers or arch.num_layers):
-        for n, k in readable.values():
-            w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-            layer = {"n": n, "k": k, "packed": packed, "address": torch.ops.mkldnn.data_ptr(packed)}
-            if args.quantized:
-                layer.update(quantized_forms(w))
-            weights.append(layer)
+    weights = []  # per layer and shape: N, K, the packed bf16 weights and the quantized forms
+    decoder = [s for k, s in readable.items() if k != "lm_head"]
+    layer_shapes = decoder * (args.layers or arch.num_layers)
+    if "lm_head" in readable:  # once per pass, as in a step
+        layer_shapes.append(readable["lm_head"])
+    for n, k in layer_shapes:
+        w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+        onednn = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        # The kernel reads oneDNN's bytes where they are in its layout, else ours (as the
+        # engine's PrepackedLinear does on CPUs without AVX512-BF16).
+        ours = pairs_layout(w) if kernel_layout(n, k) == "ours" else None
+        address = ours.data_ptr() if ours is not None else torch.ops.mkldnn.data_ptr(onednn)
+        layer = {"n": n, "k": k, "packed": onednn, "ours": ours, "address": address}
+        if args.quantized:
+            layer.update(quantized_forms(w))
+        weights.append(layer)
     paths = ["kernel", "onednn"]
     if args.quantized:  # int4_linear needs AVX-512 with VBMI (aten's kernel serves elsewhere)
         paths += ["int8", "int4"] if cpu_fused_ops.has_int4_linear() else ["int8"]
@@ -145,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
         "amx_tiles_in_kernel": cpu_fused_ops.has_amx_linear(),
         "engine_kernel_max_rows": packed_gemv_max_rows(cpu_fused_ops),
         "shapes": {k: list(s) for k, s in readable.items()},
+        # whose bytes packed_bf16_linear reads: oneDNN's packed weight, or our pairs layout
+        "layouts": {k: layouts[k] for k in readable},
         "shapes_left_out": sorted(set(shapes) - set(readable)),
         "weight_bytes_per_pass": sum(layer["n"] * layer["k"] * 2 for layer in weights),
         "paths": paths,
