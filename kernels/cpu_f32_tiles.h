@@ -1,5 +1,5 @@
 // Many x rows over a 64-row weight block on AVX-512 CPUs without AVX512-BF16: the block widened
-// once to float32 in a buffer that stays in L2, then every 4 x rows multiply it with plain FMAs.
+// once to float32 in a buffer that stays in L2, then every 6 x rows multiply it with plain FMAs.
 //
 // Why: there vdpbf16ps is emulated (cpu_simd::dot_bf16_pairs), and in the pairs loops
 // (cpu_pair_tiles.h, packed_bf16_linear) each pair vector costs a shift and a mask for the
@@ -11,7 +11,8 @@
 // per block for all its tiles. Products are exact in float32 as before and summed in the pairs
 // loops' order (per pair of inputs the odd one first, as vdpbf16ps; SETS accumulator sets
 // taking alternate pairs, as the loop each caller replaces), so the outputs are the same bits
-// (tests/test_cpu_bf16_pairs.py). Included by cpu_fused_ops.cpp and cpu_int4_linear.h.
+// (tests/test_cpu_bf16_pairs.py). Included by cpu_fused_ops.cpp, cpu_int4_linear.h and
+// cpu_int8_rows.h (whose rows are widened from int8, their scale applied to the sums).
 #pragma once
 
 #include "cpu_pair_tiles.h"
@@ -23,15 +24,18 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 namespace cpu_f32_tiles {
 
-// The pairs loops' blocks and tiles (a tile: 16 accumulators, 4 weight vectors, a broadcast).
+// The pairs loops' blocks.
 constexpr int BLOCK_ROWS = cpu_pair_tiles::BLOCK_ROWS;
 constexpr int QUARTERS = cpu_pair_tiles::QUARTERS;
-constexpr int TILE_M = cpu_pair_tiles::TILE_M;
+// x rows per tile: 6 x 4 accumulators, 4 weight vectors and a broadcast of 32 registers (4 rows,
+// the pairs loops' tile: 5-12 % slower over SmolLM2's layers at 40-512 rows, 2-core cloud Xeon).
+constexpr int TILE_M = 6;
 
 // A block in the pairs layout (per input pair p, 4 vectors of 16 rows' (w(n, 2p), w(n, 2p + 1))
 // bfloat16 pairs) -> float32 [K][64]: the even inputs by a shift, the odd ones by a mask.
@@ -51,10 +55,13 @@ inline void widen_pairs_block(const uint32_t* pairs, int64_t K, float* wf) {
 
 // out[m][0..63] for MR x rows (float32, K inputs each) over the widened block; meanwhile this
 // tile's share of the thread's next block is requested into L2 (cpu_simd::next_block_share).
-// SETS (1 or 2) accumulator sets take alternate input pairs, summed at the end.
+// SETS (1 or 2) accumulator sets take alternate input pairs, summed at the end. Never inlined:
+// inlined into int8's block loop, GCC 12 kept a 6-row tile's 24 accumulators on the stack
+// (a store and a load around every FMA, half the speed).
 template <int MR, int SETS>
-inline void block_tile(const float* wf, int64_t K, const float* const* x,
-                       c10::BFloat16* const* out, const cpu_simd::NextBlockShare& next) {
+__attribute__((noinline)) void block_tile(const float* wf, int64_t K, const float* const* x,
+                       c10::BFloat16* const* out, const cpu_simd::NextBlockShare& next,
+                       const float* scale) {
   __m512 acc[SETS][MR][QUARTERS];
   for (int s = 0; s < SETS; ++s) {
     for (int m = 0; m < MR; ++m) {
@@ -85,8 +92,8 @@ inline void block_tile(const float* wf, int64_t K, const float* const* x,
   }
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < QUARTERS; ++j) {
-      const __m512 sum = SETS == 2 ? _mm512_add_ps(acc[0][m][j], acc[SETS - 1][m][j])
-                                   : acc[0][m][j];
+      __m512 sum = SETS == 2 ? _mm512_add_ps(acc[0][m][j], acc[SETS - 1][m][j]) : acc[0][m][j];
+      if (scale != nullptr) sum = _mm512_mul_ps(sum, _mm512_load_ps(scale + 16 * j));
       cpu_simd::store_bf16x16(out[m] + j * 16, cpu_simd::f32x16(sum));
     }
   }
@@ -99,34 +106,52 @@ inline std::vector<float> widen_rows(const c10::BFloat16* x, int64_t M, int64_t 
   return xf;
 }
 
-// All M x rows (float32 [M, K]) over a widened block: out[m][n0 .. n0 + 63] of [M, N]. The
-// thread's next block (next_bytes at `next`, or nullptr) is requested into L2 tile by tile.
-// two_sets_below: tiles of fewer rows than this use two accumulator sets (the pairs loop
-// replaced does: packed_bf16_linear for 1-2 rows; cpu_pair_tiles.h never, 0).
+// A tile of `rows` x rows (from row m0) over the widened block, `two` accumulator sets or one.
+inline void rows_tile(const float* wf, const float* xf, int64_t m0, int rows, bool two, int64_t K,
+                      c10::BFloat16* out, int64_t N, int64_t n0,
+                      const cpu_simd::NextBlockShare& share, const float* scale) {
+  const float* x[TILE_M];
+  c10::BFloat16* o[TILE_M];
+  for (int i = 0; i < rows; ++i) {
+    x[i] = xf + (m0 + i) * K;
+    o[i] = out + (m0 + i) * N + n0;
+  }
+  switch (rows) {
+    case 6: block_tile<6, 1>(wf, K, x, o, share, scale); break;
+    case 5: block_tile<5, 1>(wf, K, x, o, share, scale); break;
+    case 4: block_tile<4, 1>(wf, K, x, o, share, scale); break;
+    case 3: block_tile<3, 1>(wf, K, x, o, share, scale); break;
+    case 2:
+      if (two) return block_tile<2, 2>(wf, K, x, o, share, scale);
+      return block_tile<2, 1>(wf, K, x, o, share, scale);
+    default:
+      if (two) return block_tile<1, 2>(wf, K, x, o, share, scale);
+      return block_tile<1, 1>(wf, K, x, o, share, scale);
+  }
+}
+
+// All M x rows (float32 [M, K]) over a widened block: out[m][n0 .. n0 + 63] of [M, N], in
+// tiles of 6 rows. The thread's next block (next_bytes at `next`, or nullptr) is requested into
+// L2 tile by tile. two_sets_below: the pairs loop this replaces tiles by 4 rows and takes a last
+// tile of fewer rows than this with two accumulator sets (packed_bf16_linear: 1-2 rows, 3;
+// cpu_pair_tiles.h never, 0); those rows do here too, so every row sums as it did there.
+// scale: the block's 64 per-row scales (64-byte aligned) multiplying the sums, or nullptr.
 inline void all_rows(const float* wf, const float* xf, int64_t M, int64_t K, c10::BFloat16* out,
                      int64_t N, int64_t n0, const void* next, int64_t next_bytes,
-                     int two_sets_below) {
-  const int64_t tiles = (M + TILE_M - 1) / TILE_M;
-  for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-    const cpu_simd::NextBlockShare share =
-        cpu_simd::next_block_share(static_cast<const char*>(next), next_bytes, m0 / TILE_M, tiles);
-    const int rows = int(M - m0 < TILE_M ? M - m0 : TILE_M);
-    const float* x[TILE_M];
-    c10::BFloat16* o[TILE_M];
-    for (int i = 0; i < rows; ++i) {
-      x[i] = xf + (m0 + i) * K;
-      o[i] = out + (m0 + i) * N + n0;
-    }
-    const bool two = rows < two_sets_below;
-    switch (rows) {
-      case 4: block_tile<4, 1>(wf, K, x, o, share); break;
-      case 3: block_tile<3, 1>(wf, K, x, o, share); break;
-      case 2:
-        two ? block_tile<2, 2>(wf, K, x, o, share) : block_tile<2, 1>(wf, K, x, o, share);
-        break;
-      default:
-        two ? block_tile<1, 2>(wf, K, x, o, share) : block_tile<1, 1>(wf, K, x, o, share);
-    }
+                     int two_sets_below, const float* scale = nullptr) {
+  const int64_t pairs_last = M % cpu_pair_tiles::TILE_M;  // the pairs loop's last tile's rows
+  const int64_t two_set_rows = pairs_last > 0 && pairs_last < two_sets_below ? pairs_last : 0;
+  const int64_t one_set_rows = M - two_set_rows;
+  const int64_t tiles = (one_set_rows + TILE_M - 1) / TILE_M + (two_set_rows > 0);
+  const char* ahead = static_cast<const char*>(next);
+  for (int64_t t = 0; t * TILE_M < one_set_rows; ++t) {
+    const int rows = int(std::min<int64_t>(TILE_M, one_set_rows - t * TILE_M));
+    rows_tile(wf, xf, t * TILE_M, rows, false, K, out, N, n0,
+              cpu_simd::next_block_share(ahead, next_bytes, t, tiles), scale);
+  }
+  if (two_set_rows > 0) {
+    rows_tile(wf, xf, one_set_rows, int(two_set_rows), true, K, out, N, n0,
+              cpu_simd::next_block_share(ahead, next_bytes, tiles - 1, tiles), scale);
   }
 }
 

@@ -14,7 +14,8 @@
 // - 5-31 rows, dot products (linear_dot): each (weight row, x row) pair is a dot product over
 //   32-input chunks read straight from both rows, reduced once per tile;
 // - from 32 rows, x lanes (linear_lanes): x is the per-lane operand (16 x rows a vector) and the
-//   weight pair is broadcast, with no reduction.
+//   weight pair is broadcast, with no reduction; without AVX512-BF16 instead each 64-row block
+//   widened to float32 and cpu_f32_tiles.h's tiles (linear_block_f32).
 //
 // An earlier path built 64-row blocks of transposed bf16 pairs (16 x 16 transposes of the
 // widened rows, a 16-row strided read): over SmolLM2's 30 decoder layers, 2-core EPYC, it took
@@ -186,77 +187,59 @@ inline void linear_lanes(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, 
 }
 
 #if defined(CPU_F32_TILES)
-// The x-lanes product without AVX512-BF16, where vdpbf16ps is emulated (~1.6 vector operations
-// per FMA here): x as float32 lanes, xl[(t * K + k) * 16 + i] = x(16 t + i, k), and the 16
-// weight rows widened to float32 (exact), so a step is a broadcast and FMAs, in the pairs
-// loop's order (per pair the odd input first): the same bits as linear_lanes
-// (tests/test_cpu_bf16_pairs.py). SmolLM2's 30 layers, 2-core cloud Xeon, min of 5, ms, pairs /
-// float32: 32 rows 40.5 / 30.9, 64 rows 65.0 / 53.3, 100 rows 108.6 / 94.3, 512 rows 467 / 460
-// (there x's lanes, re-read per group of 16 weight rows, are what bounds it).
-inline std::vector<float> x_lanes_f32(const c10::BFloat16* x, int64_t M, int64_t K) {
-  const int64_t tiles = (M + X_ROWS - 1) / X_ROWS;
-  std::vector<float> xl(size_t(tiles * K * X_ROWS), 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    float* lane = xl.data() + (m / X_ROWS) * K * X_ROWS + m % X_ROWS;
-    for (int64_t k = 0; k < K; ++k) lane[k * X_ROWS] = cpu_simd::to_float(x[m * K + k]);
-  }
-  return xl;
-}
-
-template <int TILES>
-inline void lanes_product_f32(const float* w, int64_t K, const float* xl_tiles,
-                              float (*acc)[256]) {
-  constexpr int W_TILE = TILES <= 2 ? 8 : 4;  // as lanes_product
-  for (int n0 = 0; n0 < W_ROWS; n0 += W_TILE) {
-    __m512 a[W_TILE][TILES];
-    for (int n = 0; n < W_TILE; ++n) {
-      for (int t = 0; t < TILES; ++t) a[n][t] = _mm512_setzero_ps();
-    }
-    auto input = [&](int64_t k) __attribute__((always_inline)) {
-      __m512 xv[TILES];
-      for (int t = 0; t < TILES; ++t) xv[t] = _mm512_loadu_ps(xl_tiles + (t * K + k) * X_ROWS);
-      for (int n = 0; n < W_TILE; ++n) {
-        const __m512 wb = _mm512_set1_ps(w[(n0 + n) * K + k]);
-        for (int t = 0; t < TILES; ++t) a[n][t] = _mm512_fmadd_ps(xv[t], wb, a[n][t]);
+// A 64-row block of int8 weights [rows, K] (row-major; rows <= 64, zero past them) -> float32
+// [K][64] (cpu_f32_tiles.h's layout; exact). Per 16 rows and 64 inputs: 16 row loads, one
+// 16 x 16 transpose of their 32-bit words (4 inputs each), then each word's 4 bytes
+// sign-extended by shifts and converted.
+inline void widen_int8_block(const int8_t* q, int64_t K, int64_t rows, float* wf) {
+  for (int j = 0; j < 4; ++j) {
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+      const int64_t inputs = std::min<int64_t>(64, K - k0);  // K % 32 == 0: 64 or 32
+      const __mmask64 valid = inputs == 64 ? ~__mmask64(0) : (__mmask64(1) << inputs) - 1;
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t n = 16 * j + i;
+        r[i] = n < rows ? _mm512_maskz_loadu_epi8(valid, q + n * K + k0) : _mm512_setzero_si512();
       }
-    };
-    for (int64_t p = 0; p < K / 2; ++p) {
-      input(2 * p + 1);  // the odd input first, as vdpbf16ps adds it
-      input(2 * p);
-    }
-    for (int n = 0; n < W_TILE; ++n) {
-      for (int t = 0; t < TILES; ++t) _mm512_store_ps(acc[t] + (n0 + n) * 16, a[n][t]);
-    }
-  }
-}
-
-inline void linear_lanes_f32(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
-                             const int8_t* q, const c10::BFloat16* scales, int64_t N) {
-  const int64_t x_tiles = (M + X_ROWS - 1) / X_ROWS;
-  const std::vector<float> xl = x_lanes_f32(x, M, K);
-  at::parallel_for(0, N / W_ROWS, 1, [&](int64_t begin, int64_t end) {
-    float* w = cpu_f32_tiles::block_buffer(K);  // 16 rows in float32 (it holds 64), in L2
-    alignas(64) float acc[X_TILES][256];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * W_ROWS;
-      const int8_t* rows = q + n0 * K;
-      for (int64_t i = 0; i < W_ROWS * K; i += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows + i + cpu_simd::STREAM_PREFETCH_BYTES),
-                     _MM_HINT_T0);
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i));
-        _mm512_store_ps(w + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
-      }
-      const __m512 s = (__m512)cpu_simd::load_bf16x16(scales + n0);
-      for (int64_t t0 = 0; t0 < x_tiles; t0 += X_TILES) {
-        const int64_t tiles = std::min<int64_t>(X_TILES, x_tiles - t0);
-        const float* xl_tiles = xl.data() + t0 * K * X_ROWS;
-        switch (tiles) {
-          case 4: lanes_product_f32<4>(w, K, xl_tiles, acc); break;
-          case 3: lanes_product_f32<3>(w, K, xl_tiles, acc); break;
-          case 2: lanes_product_f32<2>(w, K, xl_tiles, acc); break;
-          default: lanes_product_f32<1>(w, K, xl_tiles, acc); break;
+      cpu_simd::transpose16(r);  // r[c] lane i: inputs k0 + 4c .. + 3 of row 16 j + i
+      for (int c = 0; c < inputs / 4; ++c) {
+        for (int d = 0; d < 4; ++d) {  // byte d of each word: input k0 + 4c + d
+          const __m512i q32 = _mm512_srai_epi32(_mm512_slli_epi32(r[c], 24 - 8 * d), 24);
+          _mm512_store_ps(wf + (k0 + 4 * c + d) * 64 + 16 * j, _mm512_cvtepi32_ps(q32));
         }
-        write_rows(acc, tiles, t0 * X_ROWS, M, N, n0, s, out);
+      }
+    }
+  }
+}
+
+// From LANES_MIN_M rows without AVX512-BF16: each 64-row block widened to float32 once and
+// multiplied by cpu_f32_tiles.h's tiles, the rows' scales applied to the sums (as write_rows
+// does: the same bits as linear_lanes). It replaced x lanes in float32 (x re-read per 16 weight
+// rows, 32-byte row pieces written per group): SmolLM2's 121 products, 2-core cloud Xeon, min
+// of 7, ms, lanes / blocks: 33 rows 54.7 / 41.8, 64 rows 69.1 / 65.1 (bf16 61.9), 512 rows
+// 712.8 / 507.4 (bf16 489.3).
+inline void linear_block_f32(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
+                             const int8_t* q, const c10::BFloat16* scales, int64_t N) {
+  constexpr int64_t B = cpu_f32_tiles::BLOCK_ROWS;
+  const std::vector<float> xf = cpu_f32_tiles::widen_rows(x, M, K);
+  at::parallel_for(0, (N + B - 1) / B, 1, [&](int64_t begin, int64_t end) {
+    float* wf = cpu_f32_tiles::block_buffer(K);
+    alignas(64) float s[B];
+    std::vector<c10::BFloat16> tail;  // a last block of fewer than 64 rows: out via a buffer
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * B, rows = std::min(B, N - n0);
+      widen_int8_block(q + n0 * K, K, rows, wf);
+      for (int64_t n = 0; n < B; ++n) s[n] = n < rows ? float(scales[n0 + n]) : 0.0f;
+      const int8_t* next = b + 1 < end ? q + (n0 + B) * K : nullptr;
+      const int64_t next_bytes = next ? std::min(B, N - n0 - B) * K : 0;
+      if (rows == B) {
+        cpu_f32_tiles::all_rows(wf, xf.data(), M, K, out, N, n0, next, next_bytes, 0, s);
+        continue;
+      }
+      tail.resize(size_t(M * B));
+      cpu_f32_tiles::all_rows(wf, xf.data(), M, K, tail.data(), B, 0, next, next_bytes, 0, s);
+      for (int64_t m = 0; m < M; ++m) {
+        std::memcpy(out + m * N + n0, tail.data() + m * B, size_t(rows) * sizeof(c10::BFloat16));
       }
     }
   });
@@ -364,7 +347,7 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
                    const int8_t* q, const c10::BFloat16* scales, int64_t N) {
   if (M >= LANES_MIN_M) {
 #if defined(CPU_F32_TILES)
-    return linear_lanes_f32(out, x, M, K, q, scales, N);
+    return linear_block_f32(out, x, M, K, q, scales, N);
 #endif
     return linear_lanes(out, x, M, K, q, scales, N);
   }

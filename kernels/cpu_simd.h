@@ -73,8 +73,9 @@ inline float hsum(f32x16 x) {
 
 // exp(x) for x <= 0, 16 lanes at once (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6
 // polynomial, 2^n through the exponent bits; ~1 ulp). std::exp is a scalar call: it was a
-// third of a decode step of the attention kernel. Below -87 it returns ~1e-38, not 0: next to the row's max term (1)
-// that changes nothing. n is rounded with the 1.5 * 2^23 trick (plain arithmetic, vectorizes).
+// third of a decode step of the attention kernel. Below -87 it returns ~1e-38, not 0: next to
+// the row's max term (1) that changes nothing. n is rounded with the 1.5 * 2^23 trick (plain
+// arithmetic, vectorizes).
 inline f32x16 exp_nonpositive(f32x16 x) {
   const f32x16 lowest = f32x16{} - 87.0f;
   x = x < lowest ? lowest : x;

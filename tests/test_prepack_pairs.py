@@ -73,6 +73,34 @@ def test_every_row_count_takes_the_kernel(kernels, monkeypatch, rows):
     assert calls == [rows, rows]
 
 
+# Many rows take other tiles than few (without AVX512-BF16: 6-row float32 tiles from 33 rows,
+# cpu_f32_tiles.h); each row must still sum as the 4-row pairs tiles sum it. 33 and 38: a last
+# pairs tile of 1 and 2 rows (two accumulator sets); 35: of 3 (one); 64 and 100: none.
+@pytest.mark.parametrize("rows", [33, 35, 38, 64, 100])
+def test_many_rows_sum_each_row_as_the_pairs_tiles_do(kernels, rows):
+    if kernels.has_amx_linear():
+        pytest.skip("AMX tiles take 5 rows and more here (another summation order)")
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 128, 576
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    # Two large products that cancel, in input pairs 0 and 1: summed in one accumulator they
+    # cancel early; in two (even and odd pairs apart) both sums carry them and lose their low
+    # bits, which the bfloat16 outputs then show (else the order hides below their rounding).
+    w[:, 0], w[:, 2], x[:, 0], x[:, 2] = 1.0, -1.0, 2.0**20, 2.0**20
+    packed = pairs_layout(w)
+
+    def product(x_rows: torch.Tensor) -> torch.Tensor:
+        return kernels.packed_bf16_linear(x_rows.contiguous(), packed.data_ptr(), n, k)
+
+    last = rows % 4 if rows % 4 < 3 else 0  # the pairs loop's last tile, if of 1-2 rows
+    # a tile of 4 rows alone (one accumulator set)
+    expected = [product(x[m0 : m0 + 4]) for m0 in range(0, rows - last, 4)]
+    if last:
+        expected.append(product(x[rows - last :]))  # 1-2 rows alone: two sets, as such a tile
+    assert torch.equal(product(x), torch.cat(expected))
+
+
 def test_own_layout_refuses_what_the_kernel_cannot_read(kernels):
     w = torch.randn(100, 96).bfloat16()
     with pytest.raises(ValueError, match="multiple of 64"):
