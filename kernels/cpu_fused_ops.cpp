@@ -514,13 +514,13 @@ void packed_bf16_linear_dp(torch::Tensor out, torch::Tensor x, const c10::BFloat
 #endif
 
 #if defined(CPU_F32_TILES)
-// From 33 rows on a CPU without AVX512-BF16: each block widened to float32 once, then plain FMAs
+// From 25 rows on a CPU without AVX512-BF16: each block widened to float32 once, then plain FMAs
 // for every tile (cpu_f32_tiles.h; the same bits as packed_bf16_linear_dp). Below, writing and
 // re-reading twice the block's bytes costs more than the emulated pairs' extra operations save:
-// SmolLM2's 30 layers, 2-core cloud Xeon, min of 5, ms, pairs vs widened: 9 rows 11.8 vs 18.0,
-// 16 rows 15.6 vs 19.4, 32 rows 29.7 vs 29.9, 48 rows 44.2 vs 41.8, 64 rows 57.7 vs 52.3, 512
-// rows 458 vs 374.
-constexpr int64_t F32_TILES_MIN_ROWS = 33;
+// SmolLM2's 121 products (the LM head too), 2-core cloud Xeon, min of 7, ms, pairs vs widened
+// (6-row tiles): 5 rows 14.8 vs 22.6, 16 rows 20.4 vs 26.2, 24 rows 29.7 vs 29.1, 32 rows 38.8
+// vs 37.6; 64 / 512 rows 0.91x the 4-row tiles, themselves 0.91x / 0.82x the pairs.
+constexpr int64_t F32_TILES_MIN_ROWS = 25;
 void packed_bf16_linear_f32(torch::Tensor out, torch::Tensor x, const c10::BFloat16* weight,
                             int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), block_units = K / 2 * PACK_ROWS;
@@ -760,8 +760,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 #if defined(CPU_INT8_ROWS)
   // From 5 bfloat16 rows (DOT_MIN_M) the weight rows widened to bf16 once and vdpbf16ps dot
   // products, from 32 x as the per-lane operand (cpu_int8_rows.h); at 4 rows the FMA kernel
-  // below is ahead (6.9 against 8.3 ms over SmolLM2's decoder layers, 2-core EPYC).
-  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= cpu_int8_rows::DOT_MIN_M &&
+  // below is ahead (6.9 against 8.3 ms over SmolLM2's decoder layers, 2-core EPYC). Without
+  // AVX512-BF16 the FMA kernel keeps up to 12 rows, then float32 blocks (MIN_M).
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= cpu_int8_rows::MIN_M &&
       qweight.size(0) % cpu_int8_rows::W_ROWS == 0 && x.size(1) % cpu_int8_rows::K_STEP == 0) {
     cpu_int8_rows::linear(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.size(0),
                           x.size(1), qweight.data_ptr<int8_t>(), scales.data_ptr<c10::BFloat16>(),

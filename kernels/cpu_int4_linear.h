@@ -61,7 +61,14 @@ namespace cpu_int4_linear {
 constexpr int BLOCK_ROWS = cpu_pair_tiles::BLOCK_ROWS;  // output rows per packed block
 constexpr int QUARTERS = cpu_pair_tiles::QUARTERS;      // 16-row vectors per block
 constexpr int TILE_M = cpu_pair_tiles::TILE_M;  // x rows per tile over the nibbles
+#if defined(CPU_F32_TILES)
+// Without AVX512-BF16, float32 blocks (below) from 13 rows: SmolLM2's 121 products, 2-core
+// cloud Xeon, min of 7, ms, nibble tiles / float32 blocks: 4 rows 6.8 / 12.7, 8 rows 13.0 /
+// 17.2, 9 rows 18.8 / 22.1, 12 rows 22.4 / 22.9, 16 rows 25.6 / 23.6.
+constexpr int64_t DEQUANTIZED_PAIRS_MIN_M = 13;
+#else
 constexpr int64_t DEQUANTIZED_PAIRS_MIN_M = 9;
+#endif
 
 // vpermt2b indices building quarter `quarter % 2` of a nibble vector's rows (quarters 0-1
 // from the low nibbles, 2-3 from the high ones): lane r's four bytes are (row's k byte, 0x43,

@@ -14,8 +14,9 @@
 // - 5-31 rows, dot products (linear_dot): each (weight row, x row) pair is a dot product over
 //   32-input chunks read straight from both rows, reduced once per tile;
 // - from 32 rows, x lanes (linear_lanes): x is the per-lane operand (16 x rows a vector) and the
-//   weight pair is broadcast, with no reduction; without AVX512-BF16 instead each 64-row block
-//   widened to float32 and cpu_f32_tiles.h's tiles (linear_block_f32).
+//   weight pair is broadcast, with no reduction;
+// - without AVX512-BF16 instead, from 13 rows (MIN_M), each 64-row block widened to float32 and
+//   cpu_f32_tiles.h's tiles (linear_block_f32).
 //
 // An earlier path built 64-row blocks of transposed bf16 pairs (16 x 16 transposes of the
 // widened rows, a 16-row strided read): over SmolLM2's 30 decoder layers, 2-core EPYC, it took
@@ -212,7 +213,7 @@ inline void widen_int8_block(const int8_t* q, int64_t K, int64_t rows, float* wf
   }
 }
 
-// From LANES_MIN_M rows without AVX512-BF16: each 64-row block widened to float32 once and
+// From MIN_M rows without AVX512-BF16: each 64-row block widened to float32 once and
 // multiplied by cpu_f32_tiles.h's tiles, the rows' scales applied to the sums (as write_rows
 // does: the same bits as linear_lanes). It replaced x lanes in float32 (x re-read per 16 weight
 // rows, 32-byte row pieces written per group): SmolLM2's 121 products, 2-core cloud Xeon, min
@@ -341,16 +342,25 @@ inline void linear_dot(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, in
   });
 }
 
+#if defined(CPU_F32_TILES)
+// The rows from which int8_linear calls linear below. Without AVX512-BF16 the FMA kernel
+// (cpu_fused_ops.cpp) keeps up to 12 rows, then float32 blocks for every row count: SmolLM2's
+// 121 products, 2-core cloud Xeon, min of 7, ms, FMA kernel / emulated dot products / float32
+// blocks: 5 rows 9.8 / 17.8 / 15.6, 8 rows 13.0 / - / 18.4, 12 rows 19.0 / - / 19.7, 16 rows
+// 25.2 / - / 23.0, 31 rows - / 49.8 / 36.1.
+constexpr int64_t MIN_M = 13;
+#else
+constexpr int64_t MIN_M = DOT_MIN_M;
+#endif
+
 // out [M, N] = x [M, K] @ (q [N, K] * s [N, None]).T; N % 16 == 0, K % 32 == 0, bfloat16 x,
-// scales and out; from DOT_MIN_M rows.
+// scales and out; from MIN_M rows.
 inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
                    const int8_t* q, const c10::BFloat16* scales, int64_t N) {
-  if (M >= LANES_MIN_M) {
 #if defined(CPU_F32_TILES)
-    return linear_block_f32(out, x, M, K, q, scales, N);
+  return linear_block_f32(out, x, M, K, q, scales, N);
 #endif
-    return linear_lanes(out, x, M, K, q, scales, N);
-  }
+  if (M >= LANES_MIN_M) return linear_lanes(out, x, M, K, q, scales, N);
   return linear_dot(out, x, M, K, q, scales, N);
 }
 

@@ -12,6 +12,7 @@ from fused_close import DTYPES, assert_close, int4_weight
 
 from engine import LLM, SamplingParams
 from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
+from engine.runner.models.prepack import cpu_has_bf16_dot
 from kernels import cpu_fused_ops
 
 REF = TorchOps()
@@ -247,14 +248,16 @@ def test_int8_linear_matches_the_dequantized_matmul(fused, dtype, rows, n):
     assert_close(cpu_fused_ops.int8_linear(x, q, s), ref, dtype)
 
 
-# rows: across the switch to cpu_int8_rows.h's dot products at 5 (6: a partial tile of x rows)
+# rows: across the switch to cpu_int8_rows.h's dot products at 5 (6: a partial tile of x rows;
+# without AVX512-BF16 the float32 blocks from 13: 17 a tile of 5 rows after 2 of 6)
 # and to its x-lanes path at 32 (33: a zero-padded last x vector; 100: a second pass over each
 # weight row group); n: 16-row groups, one or several per thread.
-@pytest.mark.parametrize("rows", [3, 4, 5, 6, 17, 31, 32, 33, 64, 100])
+@pytest.mark.parametrize("rows", [3, 4, 5, 6, 12, 13, 17, 31, 32, 33, 64, 100])
 @pytest.mark.parametrize(("n", "k"), [(80, 96), (128, 96), (192, 576)])
 def test_int8_linear_takes_many_bf16_rows(fused, rows, n, k):
     """bfloat16 x with whole 16-row groups: the few-row kernel up to 4 rows, dot products over
-    the widened weight rows (cpu_int8_rows.h) from 5, x as the per-lane operand from 32; all
+    the widened weight rows (cpu_int8_rows.h) from 5, x as the per-lane operand from 32 (without
+    AVX512-BF16: the few-row kernel up to 12 rows, then 64-row blocks widened to float32); all
     against x @ (q * s).T in float32."""
     if not cpu_fused_ops.has_int8_rows_linear():
         pytest.skip("cpu_int8_rows.h needs AVX-512 (the few-row kernel takes every row)")
@@ -337,16 +340,17 @@ def test_amx_int8_linear_matches_the_dequantized_matmul(fused, rows, n, k):
 
 
 # From 9 rows cpu_int4_linear.h dequantizes each 64-row block once into bfloat16 pairs and runs
-# the bf16 kernel's loop over them; AMX does the same from 6 rows.
-INT4_DEQUANTIZED_PAIRS_MIN_ROWS = 9  # kernels/cpu_int4_linear.h: DEQUANTIZED_PAIRS_MIN_M
+# the bf16 kernel's loop over them (without AVX512-BF16 from 13, into float32); AMX does the
+# same from 6 rows. kernels/cpu_int4_linear.h: DEQUANTIZED_PAIRS_MIN_M.
+INT4_DEQUANTIZED_PAIRS_MIN_ROWS = 9 if cpu_has_bf16_dot() else 13
 
 
-@pytest.mark.parametrize("rows", [6, 9, 17, 64, 100])
+@pytest.mark.parametrize("rows", [6, 9, 13, 17, 64, 100])
 @pytest.mark.parametrize(("n", "k", "group"), [(64, 64, 32), (192, 576, 64), (128, 1536, 128)])
 def test_int4_linear_many_rows_multiply_the_one_pass_dequantized_weight(fused, rows, n, k, group):
-    """With many rows W4A16 (vdpbf16ps from 9, AMX from 6) multiplies the bfloat16 weights dequant_int4
-    writes ((q - 8) * s + zf rounded once; its multiply-add may round a weight to the
-    neighbouring bfloat16), so it equals x @ that weight up to float32 summation order: within
+    """With many rows W4A16 (vdpbf16ps from 9, float32 from 13, AMX from 6) multiplies the
+    bfloat16 weights dequant_int4 writes ((q - 8) * s + zf rounded once; its multiply-add may
+    round a weight to the neighbouring bfloat16), so it equals x @ that weight up to float32 summation order: within
     one bfloat16 rounding of the output, and most elements bit-equal."""
     _int4_kernel(fused)
     if rows < INT4_DEQUANTIZED_PAIRS_MIN_ROWS and not cpu_fused_ops.has_amx_linear():
