@@ -22,10 +22,14 @@
 #define CPU_F32_TILES 1
 #include <immintrin.h>
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <utility>
 #include <vector>
 
 namespace cpu_f32_tiles {
@@ -106,15 +110,16 @@ inline std::vector<float> widen_rows(const c10::BFloat16* x, int64_t M, int64_t 
   return xf;
 }
 
-// A tile of `rows` x rows (from row m0) over the widened block, `two` accumulator sets or one.
+// A tile of `rows` x rows (from row m0) over the widened block, `two` accumulator sets or one:
+// out[m][0 .. 63] (row stride N).
 inline void rows_tile(const float* wf, const float* xf, int64_t m0, int rows, bool two, int64_t K,
-                      c10::BFloat16* out, int64_t N, int64_t n0,
-                      const cpu_simd::NextBlockShare& share, const float* scale) {
+                      c10::BFloat16* out, int64_t N, const cpu_simd::NextBlockShare& share,
+                      const float* scale) {
   const float* x[TILE_M];
   c10::BFloat16* o[TILE_M];
   for (int i = 0; i < rows; ++i) {
     x[i] = xf + (m0 + i) * K;
-    o[i] = out + (m0 + i) * N + n0;
+    o[i] = out + (m0 + i) * N;
   }
   switch (rows) {
     case 6: block_tile<6, 1>(wf, K, x, o, share, scale); break;
@@ -130,37 +135,97 @@ inline void rows_tile(const float* wf, const float* xf, int64_t m0, int rows, bo
   }
 }
 
-// All M x rows (float32 [M, K]) over a widened block: out[m][n0 .. n0 + 63] of [M, N], in
-// tiles of 6 rows. The thread's next block (next_bytes at `next`, or nullptr) is requested into
-// L2 tile by tile. two_sets_below: the pairs loop this replaces tiles by 4 rows and takes a last
-// tile of fewer rows than this with two accumulator sets (packed_bf16_linear: 1-2 rows, 3;
-// cpu_pair_tiles.h never, 0); those rows do here too, so every row sums as it did there.
-// scale: the block's 64 per-row scales (64-byte aligned) multiplying the sums, or nullptr.
-inline void all_rows(const float* wf, const float* xf, int64_t M, int64_t K, c10::BFloat16* out,
-                     int64_t N, int64_t n0, const void* next, int64_t next_bytes,
-                     int two_sets_below, const float* scale = nullptr) {
-  const int64_t pairs_last = M % cpu_pair_tiles::TILE_M;  // the pairs loop's last tile's rows
-  const int64_t two_set_rows = pairs_last > 0 && pairs_last < two_sets_below ? pairs_last : 0;
-  const int64_t one_set_rows = M - two_set_rows;
-  const int64_t tiles = (one_set_rows + TILE_M - 1) / TILE_M + (two_set_rows > 0);
-  const char* ahead = static_cast<const char*>(next);
-  for (int64_t t = 0; t * TILE_M < one_set_rows; ++t) {
-    const int rows = int(std::min<int64_t>(TILE_M, one_set_rows - t * TILE_M));
-    rows_tile(wf, xf, t * TILE_M, rows, false, K, out, N, n0,
-              cpu_simd::next_block_share(ahead, next_bytes, t, tiles), scale);
-  }
-  if (two_set_rows > 0) {
-    rows_tile(wf, xf, one_set_rows, int(two_set_rows), true, K, out, N, n0,
-              cpu_simd::next_block_share(ahead, next_bytes, tiles - 1, tiles), scale);
-  }
-}
-
 // A thread's widened-block buffer (K x 64 float32: 147 KB at K = 576, 393 KB at 1536, in L2).
 inline float* block_buffer(int64_t K) {
   static thread_local std::vector<__m512> buffer;
   const size_t vectors = size_t(K * BLOCK_ROWS / 16);
   if (buffer.size() < vectors) buffer.resize(vectors);
   return reinterpret_cast<float*>(buffer.data());
+}
+
+// How M x rows split into tiles of 6: two_sets_below is the row count below which the pairs
+// loop a caller replaces (tiles of 4 rows) takes its last tile with two accumulator sets
+// (packed_bf16_linear: 1-2 rows, 3; cpu_pair_tiles.h never, 0); those rows form a last tile
+// of their own here, with two sets, so every row sums as it did there.
+struct RowTiles {
+  int64_t rows, one_set_rows, two_set_rows, one_set_tiles, count;
+  RowTiles(int64_t M, int two_sets_below) : rows(M) {
+    const int64_t pairs_last = M % cpu_pair_tiles::TILE_M;  // the pairs loop's last tile's rows
+    two_set_rows = pairs_last > 0 && pairs_last < two_sets_below ? pairs_last : 0;
+    one_set_rows = M - two_set_rows;
+    one_set_tiles = (one_set_rows + TILE_M - 1) / TILE_M;
+    count = one_set_tiles + (two_set_rows > 0);
+  }
+  // Tile t's first row (t == count: the end).
+  int64_t first_row(int64_t t) const {
+    return t == count ? rows : t < one_set_tiles ? t * TILE_M : one_set_rows;
+  }
+};
+
+// Tiles [t0, t1) of `tiles` over a widened block: out[m][0 .. 63] from `out` (row stride N).
+// `ahead` (next_bytes, or nullptr) is requested into L2 over these tiles.
+inline void some_tiles(const float* wf, const float* xf, const RowTiles& tiles, int64_t t0,
+                       int64_t t1, int64_t K, c10::BFloat16* out, int64_t N, const char* ahead,
+                       int64_t next_bytes, const float* scale) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const cpu_simd::NextBlockShare share =
+        cpu_simd::next_block_share(ahead, next_bytes, t - t0, t1 - t0);
+    const int64_t m0 = tiles.first_row(t);
+    const int rows = int(tiles.first_row(t + 1) - m0);
+    rows_tile(wf, xf, m0, rows, t >= tiles.one_set_tiles, K, out, N, share, scale);
+  }
+}
+
+// out [M, N] = x [M, K] (float32 xf) times a weight of `blocks` 64-row blocks, the last one
+// possibly short (N % 64 rows; their outputs pass through a buffer). widen(b, wf, scale)
+// widens block b into wf and returns its 64 per-row scales (written to `scale`, 64-byte
+// aligned) or nullptr; block_bytes(b) -> {address, bytes} of block b, requested into L2 while
+// the thread's previous block is multiplied. The blocks are split over the threads; where
+// their count does not divide among the threads, each block's rows are split too (tile-wise,
+// the block widened once per thread that takes rows of it): SmolLM2's 9-block o and down
+// projections left one of 2 threads idle a ninth of their time.
+template <typename Widen, typename BlockBytes>
+void for_blocks(int64_t blocks, const float* xf, int64_t M, int64_t K, c10::BFloat16* out,
+                int64_t N, int two_sets_below, const Widen& widen,
+                const BlockBytes& block_bytes) {
+  const RowTiles tiles(M, two_sets_below);
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = blocks % threads == 0 ? 1 : threads / std::gcd(blocks, threads);
+  chunks = std::max<int64_t>(1, std::min(chunks, tiles.count / 2));  // >= 2 tiles a chunk
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
+    float* wf = block_buffer(K);
+    alignas(64) float scale_buffer[BLOCK_ROWS];
+    const float* scale = nullptr;
+    std::vector<c10::BFloat16> short_out;  // a short last block's outputs [M, 64]
+    int64_t widened = -1;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / chunks, c = i % chunks, n0 = b * BLOCK_ROWS;
+      if (b != widened) {
+        scale = widen(b, wf, scale_buffer);
+        widened = b;
+      }
+      const int64_t next_b = (i + 1) / chunks;
+      const bool prefetch = i + 1 < end && next_b != b;
+      const auto [next, next_bytes] =
+          prefetch ? block_bytes(next_b) : std::pair<const void*, int64_t>{nullptr, 0};
+      const int64_t t0 = tiles.count * c / chunks, t1 = tiles.count * (c + 1) / chunks;
+      const int64_t columns = std::min<int64_t>(BLOCK_ROWS, N - n0);
+      c10::BFloat16* o = out + n0;
+      int64_t stride = N;
+      if (columns < BLOCK_ROWS) {
+        short_out.resize(size_t(M * BLOCK_ROWS));
+        o = short_out.data();
+        stride = BLOCK_ROWS;
+      }
+      some_tiles(wf, xf, tiles, t0, t1, K, o, stride, static_cast<const char*>(next), next_bytes,
+                 scale);
+      if (columns < BLOCK_ROWS) {
+        for (int64_t m = tiles.first_row(t0); m < tiles.first_row(t1); ++m) {
+          std::memcpy(out + m * N + n0, o + m * BLOCK_ROWS, size_t(columns) * sizeof(*o));
+        }
+      }
+    }
+  });
 }
 
 }  // namespace cpu_f32_tiles

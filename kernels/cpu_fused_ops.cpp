@@ -526,17 +526,16 @@ void packed_bf16_linear_f32(torch::Tensor out, torch::Tensor x, const c10::BFloa
   const int64_t M = x.size(0), K = x.size(1), block_units = K / 2 * PACK_ROWS;
   const std::vector<float> xf = cpu_f32_tiles::widen_rows(x.data_ptr<c10::BFloat16>(), M, K);
   const uint32_t* w = reinterpret_cast<const uint32_t*>(weight);
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, N / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
-    float* wf = cpu_f32_tiles::block_buffer(K);
-    for (int64_t b = begin; b < end; ++b) {
-      cpu_f32_tiles::widen_pairs_block(w + b * block_units, K, wf);
-      const uint32_t* next = b + 1 < end ? w + (b + 1) * block_units : nullptr;
-      // Tiles of 1-2 rows with two accumulator sets, as packed_bf16_block_dp.
-      cpu_f32_tiles::all_rows(wf, xf.data(), M, K, op, N, b * PACK_ROWS, next, block_units * 4,
-                              3);
-    }
-  });
+  auto widen = [&](int64_t b, float* wf, float*) -> const float* {
+    cpu_f32_tiles::widen_pairs_block(w + b * block_units, K, wf);
+    return nullptr;
+  };
+  auto block_bytes = [&](int64_t b) {
+    return std::pair<const void*, int64_t>{w + b * block_units, block_units * 4};
+  };
+  // Tiles of 1-2 rows with two accumulator sets, as packed_bf16_block_dp.
+  cpu_f32_tiles::for_blocks(N / PACK_ROWS, xf.data(), M, K, out.data_ptr<c10::BFloat16>(), N, 3,
+                            widen, block_bytes);
 }
 #endif
 

@@ -223,27 +223,16 @@ inline void linear_block_f32(c10::BFloat16* out, const c10::BFloat16* x, int64_t
                              const int8_t* q, const c10::BFloat16* scales, int64_t N) {
   constexpr int64_t B = cpu_f32_tiles::BLOCK_ROWS;
   const std::vector<float> xf = cpu_f32_tiles::widen_rows(x, M, K);
-  at::parallel_for(0, (N + B - 1) / B, 1, [&](int64_t begin, int64_t end) {
-    float* wf = cpu_f32_tiles::block_buffer(K);
-    alignas(64) float s[B];
-    std::vector<c10::BFloat16> tail;  // a last block of fewer than 64 rows: out via a buffer
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * B, rows = std::min(B, N - n0);
-      widen_int8_block(q + n0 * K, K, rows, wf);
-      for (int64_t n = 0; n < B; ++n) s[n] = n < rows ? float(scales[n0 + n]) : 0.0f;
-      const int8_t* next = b + 1 < end ? q + (n0 + B) * K : nullptr;
-      const int64_t next_bytes = next ? std::min(B, N - n0 - B) * K : 0;
-      if (rows == B) {
-        cpu_f32_tiles::all_rows(wf, xf.data(), M, K, out, N, n0, next, next_bytes, 0, s);
-        continue;
-      }
-      tail.resize(size_t(M * B));
-      cpu_f32_tiles::all_rows(wf, xf.data(), M, K, tail.data(), B, 0, next, next_bytes, 0, s);
-      for (int64_t m = 0; m < M; ++m) {
-        std::memcpy(out + m * N + n0, tail.data() + m * B, size_t(rows) * sizeof(c10::BFloat16));
-      }
-    }
-  });
+  auto widen = [&](int64_t b, float* wf, float* s) -> const float* {
+    const int64_t n0 = b * B, rows = std::min(B, N - n0);
+    widen_int8_block(q + n0 * K, K, rows, wf);
+    for (int64_t n = 0; n < B; ++n) s[n] = n < rows ? float(scales[n0 + n]) : 0.0f;
+    return s;
+  };
+  auto block_bytes = [&](int64_t b) {
+    return std::pair<const void*, int64_t>{q + b * B * K, std::min(B, N - b * B) * K};
+  };
+  cpu_f32_tiles::for_blocks((N + B - 1) / B, xf.data(), M, K, out, N, 0, widen, block_bytes);
 }
 #endif  // CPU_F32_TILES
 
