@@ -10,10 +10,12 @@ call runs --layers layers in turn, each over its own cache, and the time per lay
 call's over the layer count. Timed, per layer:
 - torch: the blocks gathered into contiguous K/V (index_select), then
   F.scaled_dot_product_attention(enable_gqa=True) with the causal mask offset by the prefix;
-- cpu_rows: the C++ kernel (kernels/cpu_paged_attention.cpp) with AMX off: every query token
-  and head is a row multiplied key by key (AVX-512);
-- cpu_kernel: the same kernel as the engine runs it: on a CPU with AMX tiles, bfloat16 items of
-  >= 8 query tokens multiply 16 queries x 16 keys at a time (kernels/cpu_prefill_amx.h).
+- cpu_rows: the C++ kernel (kernels/cpu_paged_attention.cpp) with its tiles off: every query
+  token and head is a row multiplied key by key (AVX-512);
+- cpu_kernel: the same kernel as the engine runs it: bfloat16 items of >= 8 query tokens
+  multiply 16 queries x 16 keys at a time, on AMX tiles where the CPU has them
+  (kernels/cpu_prefill_amx.h), in float32 FMAs on AVX-512 CPUs without AVX512-BF16
+  (kernels/cpu_prefill_f32.h).
 FLOP/s counts 4 x heads x head_dim per (query, visible key) pair, causal. Outputs are checked
 against the float32 reference first. Prints JSON.
 """
@@ -104,9 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     errors = {}
     results = {}
-    amx = bool(ext.has_amx_prefill())
-    for name, use_amx in (("cpu_rows", False), ("cpu_kernel", True)):
-        ext.set_amx_prefill(use_amx)
+    tiles = ext.prefill_tiles()
+    for name, use_tiles in (("cpu_rows", False), ("cpu_kernel", True)):
+        ext.set_prefill_tiles(use_tiles)
         try:
             got = paged_attention_prefill_cpu(
                 query, views[0][0], views[0][1], tables, seq_lens, starts, scale
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
             errors[name] = ((got.float() - reference).norm() / reference.norm()).item()
             results[name] = time_ms(kernel, args.repeats)
         finally:
-            ext.set_amx_prefill(True)
+            ext.set_prefill_tiles(True)
     results["torch"] = time_ms(torch_path, args.repeats)
     flops = causal_flops(q_len, ctx, h, d)
     per_layer = {}
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
             "dtype": args.dtype,
         },
         "threads": torch.get_num_threads(),
-        "amx_tiles": amx,
+        # the kernel's tiles for >= 8-token items: "amx", "float32" or "" (the row path)
+        "prefill_tiles": tiles,
         "layers_in_turn": args.layers,
         "flops_per_layer": flops,
         "per_layer": per_layer,

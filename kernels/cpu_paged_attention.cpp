@@ -26,9 +26,11 @@
 #include "cpu_simd.h"
 #include "cpu_decode_bf16.h"
 #include "cpu_prefill_amx.h"
+#include "cpu_prefill_f32.h"
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -327,32 +329,42 @@ bool attend_decode_fast(FastDecode fast, const Problem& p, const WorkItem& item,
   return false;
 }
 
-// Items of at least this many query tokens go to cpu_prefill_amx.h where the CPU has AMX: a
-// group of 16 keys costs a K transpose and a V interleave whatever the rows, which only pays
-// with several query tokens sharing it (prefill chunks; speculative verification's few tokens
-// stay on the row path).
+// Items of at least this many query tokens go to the prefill tiles (cpu_prefill_amx.h where
+// the CPU has AMX, cpu_prefill_f32.h on AVX-512 CPUs without AVX512-BF16): a group of 16 keys
+// costs a K/V conversion whatever the rows, which only pays with several query tokens sharing
+// it (prefill chunks; speculative verification's few tokens stay on the row path).
 constexpr int AMX_MIN_QUERIES = 8;
 
-// Off: multi-token items take the row path even where AMX would serve them (set_amx_prefill,
-// for benchmarks.cpu_prefill_attention's "before" in the same run). Process-wide.
-std::atomic<bool> amx_prefill_enabled{true};
+// Off: multi-token items take the row path even where tiles would serve them
+// (set_prefill_tiles, for benchmarks.cpu_prefill_attention's "before" in the same run).
+// Process-wide.
+std::atomic<bool> prefill_tiles_enabled{true};
 
-// True if the AMX kernel can take this call's multi-token items.
+// Which tile kernel takes this call's multi-token items: AMX, float32, or none.
+enum class PrefillTiles { kNone, kAmx, kF32 };
+
 template <typename Q, typename C>
-bool amx_prefill(const Problem& p) {
-#if defined(CPU_PREFILL_AMX)
-  if (!amx_prefill_enabled.load()) return false;
+PrefillTiles prefill_tiles(const Problem& p) {
+  if (!prefill_tiles_enabled.load()) return PrefillTiles::kNone;
   if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, Q>) {
-    return cpu_prefill_amx::supports(p.head_dim) && cpu_prefill_amx::available();
-  }
+#if defined(CPU_PREFILL_AMX)
+    if (cpu_prefill_amx::supports(p.head_dim) && cpu_prefill_amx::available()) {
+      return PrefillTiles::kAmx;
+    }
 #endif
-  return false;
+#if defined(CPU_PREFILL_F32)
+    if (cpu_prefill_f32::supports(p.head_dim)) return PrefillTiles::kF32;
+#endif
+  }
+  return PrefillTiles::kNone;
 }
 
-#if defined(CPU_PREFILL_AMX)
-// The item as cpu_prefill_amx.h takes it (bfloat16 query and cache).
-cpu_prefill_amx::Item amx_item(const Problem& p, const WorkItem& item, int kv_head,
-                               const c10::BFloat16* query, c10::BFloat16* out) {
+#if defined(CPU_PREFILL_AMX) || defined(CPU_PREFILL_F32)
+// The item as the tile kernels take it (bfloat16 query and cache; their Item and Rows have the
+// same fields).
+template <typename Item, typename Rows>
+Item tile_item(const Problem& p, const WorkItem& item, int kv_head,
+               const c10::BFloat16* query, c10::BFloat16* out) {
   const int ctx = p.seq_lens[item.seq];
   const int q_len = p.query_start_loc[item.seq + 1] - p.query_start_loc[item.seq];
   const int first_pos = ctx - q_len + item.first_query;
@@ -360,9 +372,8 @@ cpu_prefill_amx::Item amx_item(const Problem& p, const WorkItem& item, int kv_he
   const int64_t head0 = int64_t(kv_head) * p.group;
   const int32_t* table = p.block_tables + int64_t(item.seq) * p.table_stride;
   auto rows = [&](const CacheView& c) {
-    return cpu_prefill_amx::Rows{
-        static_cast<const c10::BFloat16*>(c.data) + kv_head * c.head_stride, c.block_stride,
-        c.token_stride, table, p.block_size};
+    return Rows{static_cast<const c10::BFloat16*>(c.data) + kv_head * c.head_stride,
+                c.block_stride, c.token_stride, table, p.block_size};
   };
   return {query + token0 * p.q_token_stride + head0 * p.q_head_stride,
           p.q_token_stride, p.q_head_stride,
@@ -378,7 +389,7 @@ void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q
   const int64_t total = int64_t(items.size()) * p.num_kv_heads;
   const int max_rows = QUERY_CHUNK * p.group;
   const FastDecode fast = fast_decode<Q, C>(p);
-  const bool amx = amx_prefill<Q, C>(p);
+  const PrefillTiles tiles = prefill_tiles<Q, C>(p);
   // torch's intra-op thread count; dynamic schedule: items differ in context length.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -390,21 +401,36 @@ void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q
     cpu_prefill_amx::Scratch amx_scratch;
     bool tiles_configured = false;
 #endif
+#if defined(CPU_PREFILL_F32)
+    static thread_local cpu_prefill_f32::Scratch f32_scratch;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < total; ++w) {
       const WorkItem& item = items[w / p.num_kv_heads];
       const int kv_head = int(w % p.num_kv_heads);
       if (attend_decode_fast(fast, p, item, kv_head, query, out)) continue;
-#if defined(CPU_PREFILL_AMX)
       if constexpr (std::is_same_v<Q, c10::BFloat16>) {
-        if (amx && item.num_queries >= AMX_MIN_QUERIES) {
+        const bool tile_item_here = item.num_queries >= AMX_MIN_QUERIES;
+#if defined(CPU_PREFILL_AMX)
+        if (tiles == PrefillTiles::kAmx && tile_item_here) {
           if (!tiles_configured) cpu_prefill_amx::configure_tiles();
           tiles_configured = true;
-          cpu_prefill_amx::attend(amx_item(p, item, kv_head, query, out), amx_scratch);
+          cpu_prefill_amx::attend(
+              tile_item<cpu_prefill_amx::Item, cpu_prefill_amx::Rows>(p, item, kv_head, query, out),
+              amx_scratch);
           continue;
         }
-      }
 #endif
+#if defined(CPU_PREFILL_F32)
+        if (tiles == PrefillTiles::kF32 && tile_item_here) {
+          cpu_prefill_f32::attend(
+              tile_item<cpu_prefill_f32::Item, cpu_prefill_f32::Rows>(p, item, kv_head, query, out),
+              f32_scratch);
+          continue;
+        }
+#endif
+        (void)tile_item_here;
+      }
       attend_item<Q, C>(p, item, kv_head, query, out, scratch);
     }
 #if defined(CPU_PREFILL_AMX)
@@ -677,17 +703,21 @@ int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor
   return sum;
 }
 
-// True where multi-token items of a bfloat16 query and cache take cpu_prefill_amx.h (the build
-// has AMX and Linux granted the tiles), for tests and the benchmark's report.
-bool has_amx_prefill() {
+// Which tiles multi-token items of a bfloat16 query and cache take here: "amx"
+// (cpu_prefill_amx.h: the build has AMX and Linux granted the tiles), "float32"
+// (cpu_prefill_f32.h: AVX-512 without AVX512-BF16) or "" (the row path), for tests and the
+// benchmark's report.
+std::string prefill_tiles_kind() {
 #if defined(CPU_PREFILL_AMX)
-  return cpu_prefill_amx::available();
-#else
-  return false;
+  if (cpu_prefill_amx::available()) return "amx";
 #endif
+#if defined(CPU_PREFILL_F32)
+  return "float32";
+#endif
+  return "";
 }
 
-void set_amx_prefill(bool enabled) { amx_prefill_enabled.store(enabled); }
+void set_prefill_tiles(bool enabled) { prefill_tiles_enabled.store(enabled); }
 
 // The entry points above for other extensions (cpu_attention_api.h): cpu_fused_ops.cpp's
 // decode step calls them per layer without a trip through Python.
@@ -701,10 +731,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Paged attention over a block-table KV cache, in place (decode and prefill)");
   m.def("store_kv", &store_kv, "New K/V rows into a head-major paged cache at their slots");
-  m.def("has_amx_prefill", &has_amx_prefill,
-        "Whether bfloat16 prefill items of >= AMX_MIN_QUERIES tokens run on AMX tiles here");
-  m.def("set_amx_prefill", &set_amx_prefill,
-        "Let bfloat16 prefill items use AMX tiles (default) or the row path (benchmarks)");
+  m.def("prefill_tiles", &prefill_tiles_kind,
+        "Which tiles bfloat16 prefill items of >= AMX_MIN_QUERIES tokens take here: amx, "
+        "float32 or '' (the row path)");
+  m.def("set_prefill_tiles", &set_prefill_tiles,
+        "Let bfloat16 prefill items use the tiles (default) or the row path (benchmarks)");
   m.attr("AMX_MIN_QUERIES") = AMX_MIN_QUERIES;
   m.attr("QUERY_CHUNK") = QUERY_CHUNK;
   m.def("read_kv_rows", &read_kv_rows,

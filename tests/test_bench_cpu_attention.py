@@ -75,4 +75,4 @@ def test_prefill_benchmark_times_three_paths_and_checks_them(tmp_path):
     assert all(e < 5e-3 for e in report["relative_error_vs_float32"].values())
     # 40 queries over a 60-token prefix: 4 x 9 heads x 64 dims x (61 + ... + 100) pairs.
     assert report["flops_per_layer"] == 4 * 9 * 64 * sum(range(61, 101))
-    assert report["amx_tiles"] == load_extension().has_amx_prefill()
+    assert report["prefill_tiles"] == load_extension().prefill_tiles()

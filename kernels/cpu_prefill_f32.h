@@ -1,0 +1,237 @@
+// Prefill attention in float32 tiles: one work item of cpu_paged_attention.cpp (a sequence, a
+// KV head, up to 16 query tokens) for a bfloat16 query and cache on AVX-512 CPUs without
+// AVX512-BF16 (and so without AMX), where the row path's pair products are emulated.
+//
+// Why: the row path computes each (query token, head) row against each 16-key group on its own:
+// Q.K by emulated pair products and a reduction tree per 16 keys, then a max, an exp and a sum
+// reduced across lanes per row. cpu_prefill_amx.h showed the cure on AMX CPUs; this is its
+// shape with FMAs. Per group of 16 keys and per query head g, the 16 query tokens are the lanes:
+//
+//   S^T [16 keys][16 queries] = sum over d of K[key][d] (broadcast) x Q_g^T[d] (a vector)
+//   O_g^T [D][16 queries] = O_g^T * c + sum over keys of V[key][d] (broadcast) x P[key]
+//
+// so the online softmax is lane-wise as there (max and sum over keys are vector ops, one exp
+// serves 16 scores) and nothing is reduced across lanes. K and V rows are widened to float32
+// once per group (exact) and shared by the G heads; Q_g^T once per item. P stays float32 (the
+// AMX kernel rounds it to bfloat16 for its tiles). Rows past the context are never read.
+#pragma once
+
+#include "cpu_simd.h"
+
+#if defined(CPU_BF16_PAIRS) && !defined(__AVX512BF16__)
+#define CPU_PREFILL_F32 1
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace cpu_prefill_f32 {
+
+constexpr int ROWS = 16;  // query tokens per item at most: the lanes
+constexpr int KEYS = 16;  // keys per group
+
+// Head dims served: whole 16-dim vectors, at most 256 (the scratch's Q_g^T and output rows).
+inline bool supports(int head_dim) { return head_dim % 16 == 0 && head_dim <= 256; }
+
+// One K or V head's rows of the cache: row of key position t.
+struct Rows {
+  const c10::BFloat16* base;  // the KV head's rows in block 0
+  int64_t block_stride, token_stride;  // elements
+  const int32_t* table;
+  int block_size;
+
+  const c10::BFloat16* row(int t) const {
+    return base + int64_t(table[t / block_size]) * block_stride +
+           int64_t(t % block_size) * token_stride;
+  }
+};
+
+struct Item {
+  const c10::BFloat16* query;  // the item's first token, query head kv_head * G
+  int64_t q_token_stride, q_head_stride;
+  c10::BFloat16* out;  // likewise
+  int64_t o_token_stride, o_head_stride;
+  Rows k, v;
+  int group;        // query heads per KV head
+  int head_dim;
+  int num_queries;  // 1..16
+  int first_pos;    // position of the first query token; token i sees keys <= first_pos + i
+  int num_keys;     // keys any query of the item sees (<= context)
+  float scale;
+};
+
+// Per-thread buffers, grown on first use (no allocation in the hot loop).
+struct Scratch {
+  std::vector<__m512> qt;   // [G][D] Q_g^T: dim d's 16 query lanes (scaled)
+  std::vector<__m512> acc;  // [G][D] O_g^T, unnormalized
+  std::vector<__m512> m, l;  // [G] the query lanes' running max and sum
+  std::vector<float> k, v;  // [16 keys][D] the group's rows in float32, zeros past the context
+  alignas(64) float p[KEYS][ROWS];  // P [key][query lanes]
+
+  void size_for(int group, int head_dim) {
+    const size_t vectors = size_t(group) * head_dim;
+    if (qt.size() < vectors) {
+      qt.resize(vectors);
+      acc.resize(vectors);
+    }
+    if (m.size() < size_t(group)) {
+      m.resize(size_t(group));
+      l.resize(size_t(group));
+    }
+    if (k.size() < size_t(KEYS) * head_dim) {
+      k.resize(size_t(KEYS) * head_dim);
+      v.resize(size_t(KEYS) * head_dim);
+    }
+  }
+};
+
+// Rows j0 .. j0 + n - 1 widened into dst [16][D] (zeros past n: P is 0 there, 0 x NaN is not).
+inline void widen_group(const Rows& rows, int j0, int n, int D, float* dst) {
+  for (int t = 0; t < KEYS; ++t) {
+    const c10::BFloat16* src = t < n ? rows.row(j0 + t) : nullptr;
+    for (int d = 0; d < D; d += 16) {
+      const __m512 x = src ? __m512(cpu_simd::load_bf16x16(src + d)) : _mm512_setzero_ps();
+      _mm512_storeu_ps(dst + t * D + d, x);
+    }
+  }
+}
+
+// Requests the next group's K and V rows while this group is computed: blocks sit anywhere in
+// the pool, and the hardware prefetcher does not follow a jump to the next one.
+inline void prefetch_group(const Item& it, int j0) {
+  const int end = std::min(j0 + KEYS, it.num_keys);
+  for (int t = j0; t < end; ++t) {
+    const char* kr = reinterpret_cast<const char*>(it.k.row(t));
+    const char* vr = reinterpret_cast<const char*>(it.v.row(t));
+    for (int line = 0; line < it.head_dim * 2; line += 64) {
+      _mm_prefetch(kr + line, _MM_HINT_T0);
+      _mm_prefetch(vr + line, _MM_HINT_T0);
+    }
+  }
+}
+
+// S^T of one head: st[key] (16 query lanes) = sum_d K[key][d] Q_g^T[d].
+inline void scores(const float* k, const __m512* qt, int D, __m512 (&st)[KEYS]) {
+  for (int t = 0; t < KEYS; ++t) st[t] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 q = qt[d];
+    for (int t = 0; t < KEYS; ++t) st[t] = _mm512_fmadd_ps(_mm512_set1_ps(k[t * D + d]), q, st[t]);
+  }
+}
+
+// Online softmax over one group's scores (already scaled), lane-wise: updates m and l, writes
+// P [key][lanes] and returns the lanes' correction c = exp(m - m'). Lane i sees keys
+// <= horizon[i] (and < j0 + n).
+inline __m512 softmax_lanes(const __m512 (&st)[KEYS], int j0, int n, __m512i horizon,
+                            bool all_visible, __m512& m, __m512& l, float (*p)[ROWS]) {
+  using cpu_simd::f32x16;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 keep[KEYS];
+  __m512 max = neg_inf;
+  for (int t = 0; t < KEYS; ++t) {
+    keep[t] = t >= n ? __mmask16(0)
+              : all_visible ? __mmask16(0xFFFF)
+                            : _mm512_cmple_epi32_mask(_mm512_set1_epi32(j0 + t), horizon);
+    max = _mm512_max_ps(max, _mm512_mask_mov_ps(neg_inf, keep[t], st[t]));
+  }
+  // Key 0 is visible to every query, so m is finite from the first group on; a query that sees
+  // none of this group's keys keeps its m and gets c = 1.
+  const __m512 m_new = _mm512_max_ps(m, max);
+  const __m512 c = __m512(cpu_simd::exp_nonpositive(f32x16(_mm512_sub_ps(m, m_new))));
+  __m512 sum = _mm512_setzero_ps();
+  for (int t = 0; t < KEYS; ++t) {
+    // Masked keys: 0, not exp(-inf) (~1e-38).
+    const __m512 e = _mm512_maskz_mov_ps(
+        keep[t], __m512(cpu_simd::exp_nonpositive(f32x16(_mm512_sub_ps(st[t], m_new)))));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_store_ps(p[t], e);
+  }
+  l = _mm512_fmadd_ps(l, c, sum);
+  m = m_new;
+  return c;
+}
+
+// O_g^T = O_g^T * c + sum over the group's n keys of V[key][d] x P[key], 16 dims at a time.
+inline void accumulate(const float* v, const float (*p)[ROWS], int n, int D, __m512 c,
+                       __m512* acc) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(acc[d0 + j], c);
+    for (int t = 0; t < n; ++t) {
+      const __m512 pt = _mm512_load_ps(p[t]);
+      const float* vt = v + t * D + d0;
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(vt[j]), pt, a[j]);
+    }
+    for (int j = 0; j < 16; ++j) acc[d0 + j] = a[j];
+  }
+}
+
+inline void attend(const Item& it, Scratch& sc) {
+  const int D = it.head_dim, G = it.group;
+  sc.size_for(G, D);
+  // Q_g^T, scaled: per 16 dims one 16 x 16 transpose of the query rows (zeros past the item).
+  for (int g = 0; g < G; ++g) {
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < ROWS; ++i) {
+        const c10::BFloat16* q = it.query + i * it.q_token_stride + g * it.q_head_stride + d0;
+        const __m512 x = i < it.num_queries
+                             ? _mm512_mul_ps(__m512(cpu_simd::load_bf16x16(q)),
+                                             _mm512_set1_ps(it.scale))
+                             : _mm512_setzero_ps();
+        r[i] = _mm512_castps_si512(x);
+      }
+      cpu_simd::transpose16(r);
+      for (int j = 0; j < 16; ++j) sc.qt[size_t(g) * D + d0 + j] = _mm512_castsi512_ps(r[j]);
+    }
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + size_t(G) * D, _mm512_setzero_ps());
+  std::fill(sc.m.begin(), sc.m.begin() + G,
+            _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  std::fill(sc.l.begin(), sc.l.begin() + G, _mm512_setzero_ps());
+  // Query lane i (padding lanes repeat the last query) sees keys <= horizon[i].
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i horizon = _mm512_add_epi32(
+      _mm512_set1_epi32(it.first_pos),
+      _mm512_min_epi32(lane, _mm512_set1_epi32(it.num_queries - 1)));
+
+  for (int j0 = 0; j0 < it.num_keys; j0 += KEYS) {
+    const int n = std::min(KEYS, it.num_keys - j0);
+    if (j0 + KEYS < it.num_keys) prefetch_group(it, j0 + KEYS);
+    widen_group(it.k, j0, n, D, sc.k.data());
+    widen_group(it.v, j0, n, D, sc.v.data());
+    const bool all_visible = j0 + n - 1 <= it.first_pos;  // the first query sees them all
+    for (int g = 0; g < G; ++g) {
+      __m512 st[KEYS];
+      scores(sc.k.data(), sc.qt.data() + size_t(g) * D, D, st);
+      const __m512 c = softmax_lanes(st, j0, n, horizon, all_visible, sc.m[g], sc.l[g], sc.p);
+      accumulate(sc.v.data(), sc.p, n, D, c, sc.acc.data() + size_t(g) * D);
+    }
+  }
+  // out[i][d] = O_g^T[d][i] / l[i]: per 16 dims one transpose back to query rows.
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float inv[ROWS];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sc.l[g]));
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_castps_si512(sc.acc[size_t(g) * D + d0 + j]);
+      cpu_simd::transpose16(r);
+      for (int i = 0; i < it.num_queries; ++i) {
+        // l = 0 only for an empty context (a padding row): zeros, not NaN.
+        const float s = std::isfinite(inv[i]) ? inv[i] : 0.0f;
+        const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(r[i]), _mm512_set1_ps(s));
+        c10::BFloat16* dst = it.out + i * it.o_token_stride + g * it.o_head_stride + d0;
+        cpu_simd::store_bf16x16(dst, cpu_simd::f32x16(y));
+      }
+    }
+  }
+}
+
+}  // namespace cpu_prefill_f32
+
+#endif
