@@ -134,6 +134,25 @@ def test_bf16_prefill_on_tiles_matches_reference(
     assert relative_error(out, ref) <= 5e-3
 
 
+def test_prefill_tiles_take_the_multi_token_items():
+    """The tiles run (not the row path beside them): a 512-token chunk of SmolLM2's shape sums
+    in another order there (and the AMX tiles round P), so the outputs differ in some bits while
+    both match the reference."""
+    ext = cpu_attention.load_extension()
+    if not ext.prefill_tiles():
+        pytest.skip("no prefill tiles on this CPU")
+    args = prefill_case(BF16, 16, 64, 3, 3, [(512, 512)])
+    ref = paged_attention_prefill_ref(*args)
+    tiles = paged_attention_prefill_cpu(*args)
+    ext.set_prefill_tiles(False)
+    try:
+        rows = paged_attention_prefill_cpu(*args)
+    finally:
+        ext.set_prefill_tiles(True)
+    assert relative_error(tiles, ref) <= 5e-3 and relative_error(rows, ref) <= 5e-3
+    assert not torch.equal(tiles, rows)
+
+
 def test_strided_query_and_padding_rows():
     """q as a view of a fused projection output, a seq_len-0 padding row (zeros out), and a
     block table far wider than the contexts."""
