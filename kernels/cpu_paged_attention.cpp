@@ -360,11 +360,9 @@ PrefillTiles prefill_tiles(const Problem& p) {
 }
 
 #if defined(CPU_PREFILL_AMX) || defined(CPU_PREFILL_F32)
-// The item as the tile kernels take it (bfloat16 query and cache; their Item and Rows have the
-// same fields).
-template <typename Item, typename Rows>
-Item tile_item(const Problem& p, const WorkItem& item, int kv_head,
-               const c10::BFloat16* query, c10::BFloat16* out) {
+// The item as the tile kernels take it (bfloat16 query and cache).
+cpu_prefill_tiles::Item tile_item(const Problem& p, const WorkItem& item, int kv_head,
+                                  const c10::BFloat16* query, c10::BFloat16* out) {
   const int ctx = p.seq_lens[item.seq];
   const int q_len = p.query_start_loc[item.seq + 1] - p.query_start_loc[item.seq];
   const int first_pos = ctx - q_len + item.first_query;
@@ -372,8 +370,9 @@ Item tile_item(const Problem& p, const WorkItem& item, int kv_head,
   const int64_t head0 = int64_t(kv_head) * p.group;
   const int32_t* table = p.block_tables + int64_t(item.seq) * p.table_stride;
   auto rows = [&](const CacheView& c) {
-    return Rows{static_cast<const c10::BFloat16*>(c.data) + kv_head * c.head_stride,
-                c.block_stride, c.token_stride, table, p.block_size};
+    return cpu_prefill_tiles::Rows{
+        static_cast<const c10::BFloat16*>(c.data) + kv_head * c.head_stride, c.block_stride,
+        c.token_stride, table, p.block_size};
   };
   return {query + token0 * p.q_token_stride + head0 * p.q_head_stride,
           p.q_token_stride, p.q_head_stride,
@@ -415,17 +414,13 @@ void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q
         if (tiles == PrefillTiles::kAmx && tile_item_here) {
           if (!tiles_configured) cpu_prefill_amx::configure_tiles();
           tiles_configured = true;
-          cpu_prefill_amx::attend(
-              tile_item<cpu_prefill_amx::Item, cpu_prefill_amx::Rows>(p, item, kv_head, query, out),
-              amx_scratch);
+          cpu_prefill_amx::attend(tile_item(p, item, kv_head, query, out), amx_scratch);
           continue;
         }
 #endif
 #if defined(CPU_PREFILL_F32)
         if (tiles == PrefillTiles::kF32 && tile_item_here) {
-          cpu_prefill_f32::attend(
-              tile_item<cpu_prefill_f32::Item, cpu_prefill_f32::Rows>(p, item, kv_head, query, out),
-              f32_scratch);
+          cpu_prefill_f32::attend(tile_item(p, item, kv_head, query, out), f32_scratch);
           continue;
         }
 #endif

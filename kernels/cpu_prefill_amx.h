@@ -23,6 +23,7 @@
 #pragma once
 
 #include "cpu_amx_tiles.h"
+#include "cpu_prefill_tiles.h"
 
 #if defined(CPU_AMX_TILES) && defined(__AVX512BF16__)
 #define CPU_PREFILL_AMX 1
@@ -40,8 +41,8 @@
 
 namespace cpu_prefill_amx {
 
-constexpr int ROWS = 16;       // query tokens per tile (and per work item at most)
-constexpr int KEYS = 16;       // keys per group: one S tile's columns
+constexpr int ROWS = cpu_prefill_tiles::ROWS;  // query tokens per tile (and per item at most)
+constexpr int KEYS = cpu_prefill_tiles::KEYS;  // keys per group: one S tile's columns
 constexpr int MAX_HEAD_DIM = 256;
 // Tile registers (literals below: the tile intrinsics paste the number into the instruction):
 // 0 the S^T accumulator, 1 K rows (32 dims), 2 Q_g^T pairs (32 dims), 3 P, 4 V pairs (16 dims),
@@ -66,32 +67,8 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// One K or V head's rows of the cache: row of key position t.
-struct Rows {
-  const c10::BFloat16* base;  // the KV head's rows in block 0
-  int64_t block_stride, token_stride;  // elements
-  const int32_t* table;
-  int block_size;
-
-  const c10::BFloat16* row(int t) const {
-    return base + int64_t(table[t / block_size]) * block_stride +
-           int64_t(t % block_size) * token_stride;
-  }
-};
-
-struct Item {
-  const c10::BFloat16* query;  // the item's first token, query head kv_head * G
-  int64_t q_token_stride, q_head_stride;
-  c10::BFloat16* out;  // likewise
-  int64_t o_token_stride, o_head_stride;
-  Rows k, v;
-  int group;           // query heads per KV head
-  int head_dim;
-  int num_queries;     // 1..16
-  int first_pos;       // position of the first query token; token i sees keys <= first_pos + i
-  int num_keys;        // keys any query of the item sees (<= context)
-  float scale;
-};
+using cpu_prefill_tiles::Item;
+using cpu_prefill_tiles::Rows;
 
 struct alignas(64) Line {  // one 64-byte vector's storage (a vector of __m512i drops alignment)
   uint32_t words[16];
@@ -178,58 +155,20 @@ inline void build_vp(const Rows& v, int j0, int n, int D, __m512i* vp) {
   }
 }
 
-// Requests the next group's K and V rows while this group is computed: blocks sit anywhere in
-// the pool, and the hardware prefetcher does not follow a jump to the next one.
-inline void prefetch_group(const Item& it, int j0) {
-  const int end = std::min(j0 + KEYS, it.num_keys);
-  for (int t = j0; t < end; ++t) {
-    const char* kr = reinterpret_cast<const char*>(it.k.row(t));
-    const char* vr = reinterpret_cast<const char*>(it.v.row(t));
-    for (int line = 0; line < it.head_dim * 2; line += 64) {
-      _mm_prefetch(kr + line, _MM_HINT_T0);
-      _mm_prefetch(vr + line, _MM_HINT_T0);
-    }
-  }
-}
-
-// Online softmax of one head's S^T tile (st: [16 keys][16 query lanes], unscaled), vectorized
-// over the 16 queries: a key's scores are one vector, so the max and the sum over keys are
-// lane-wise (no horizontal reductions, one exp per 16 scores). Updates the lanes' m and l,
-// writes P [16 queries][16 keys] in bfloat16 (the A operand of P @ V) and each query's
-// correction c = exp(m - m'). Query lane i sees keys <= horizon[i] (and < j0 + n).
+// Online softmax of one head's S^T tile (st: [16 keys][16 query lanes], unscaled), lane-wise
+// (cpu_prefill_tiles::softmax_lanes); writes P [16 queries][16 keys] in bfloat16 (the A operand
+// of P @ V) and each query's correction c = exp(m - m').
 inline void softmax_lanes(const float* st, int j0, int n, float scale, __m512i horizon,
                           bool all_visible, __m512& m, __m512& l, uint16_t* p,
                           float* correction) {
-  using cpu_simd::f32x16;
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
-  __m512 s[KEYS];
-  __mmask16 keep[KEYS];
-  __m512 max = neg_inf;
-  for (int k = 0; k < KEYS; ++k) {
-    keep[k] = k >= n ? __mmask16(0)
-              : all_visible ? __mmask16(0xFFFF)
-                            : _mm512_cmple_epi32_mask(_mm512_set1_epi32(j0 + k), horizon);
-    s[k] = _mm512_mask_mul_ps(neg_inf, keep[k], _mm512_load_ps(st + k * ROWS), scale_v);
-    max = _mm512_max_ps(max, s[k]);
-  }
-  // Key 0 is visible to every query, so m is finite from the first group on; a query that sees
-  // none of this group's keys keeps its m (max = -inf) and gets c = 1.
-  const __m512 m_new = _mm512_max_ps(m, max);
-  const __m512 c = __m512(cpu_simd::exp_nonpositive(f32x16(_mm512_sub_ps(m, m_new))));
-  __m512 sum = _mm512_setzero_ps();
-  __m512i rows[KEYS];
-  for (int k = 0; k < KEYS; ++k) {
-    // Masked keys: 0, not exp(-inf) (~1e-38).
-    const __m512 e = _mm512_maskz_mov_ps(
-        keep[k], __m512(cpu_simd::exp_nonpositive(f32x16(_mm512_sub_ps(s[k], m_new)))));
-    sum = _mm512_add_ps(sum, e);
-    rows[k] = _mm512_castps_si512(e);
-  }
-  l = _mm512_fmadd_ps(l, c, sum);
-  m = m_new;
-  _mm512_store_ps(correction, c);
+  __m512 s[KEYS], e[KEYS];
+  for (int k = 0; k < KEYS; ++k) s[k] = _mm512_mul_ps(_mm512_load_ps(st + k * ROWS), scale_v);
+  _mm512_store_ps(correction,
+                  cpu_prefill_tiles::softmax_lanes(s, j0, n, horizon, all_visible, m, l, e));
   // [key][query] -> [query][key], then two queries' 16 keys per bfloat16 conversion.
+  __m512i rows[KEYS];
+  for (int k = 0; k < KEYS; ++k) rows[k] = _mm512_castps_si512(e[k]);
   cpu_simd::transpose16(rows);
   for (int i = 0; i < ROWS; i += 2) {
     _mm512_store_si512(p + i * KEYS, (__m512i)_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(rows[i + 1]),
@@ -257,16 +196,12 @@ inline void attend(const Item& it, Scratch& sc) {
   std::fill(sc.acc.begin(), sc.acc.begin() + size_t(G) * ROWS * D, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + G * ROWS, -std::numeric_limits<float>::infinity());
   std::fill(sc.l.begin(), sc.l.begin() + G * ROWS, 0.f);
-  // Query lane i (padding lanes repeat the last query) sees keys <= horizon[i].
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i horizon = _mm512_add_epi32(
-      _mm512_set1_epi32(it.first_pos),
-      _mm512_min_epi32(lane, _mm512_set1_epi32(it.num_queries - 1)));
+  const __m512i horizon = cpu_prefill_tiles::horizon(it);
   alignas(64) float correction[ROWS];
 
   for (int j0 = 0; j0 < it.num_keys; j0 += KEYS) {
     const int n = std::min(KEYS, it.num_keys - j0);
-    if (j0 + KEYS < it.num_keys) prefetch_group(it, j0 + KEYS);
+    if (j0 + KEYS < it.num_keys) cpu_prefill_tiles::prefetch_group(it, j0 + KEYS);
     int64_t k_stride_bytes = 0;
     const c10::BFloat16* keys = key_rows(it.k, j0, n, D, sc.keys.data(), &k_stride_bytes);
     build_vp(it.v, j0, n, D, vp);

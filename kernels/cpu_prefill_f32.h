@@ -16,6 +16,7 @@
 // AMX kernel rounds it to bfloat16 for its tiles). Rows past the context are never read.
 #pragma once
 
+#include "cpu_prefill_tiles.h"
 #include "cpu_simd.h"
 
 #if defined(CPU_BF16_PAIRS) && !defined(__AVX512BF16__)
@@ -32,38 +33,14 @@
 
 namespace cpu_prefill_f32 {
 
-constexpr int ROWS = 16;  // query tokens per item at most: the lanes
-constexpr int KEYS = 16;  // keys per group
+constexpr int ROWS = cpu_prefill_tiles::ROWS;  // query tokens per item at most: the lanes
+constexpr int KEYS = cpu_prefill_tiles::KEYS;  // keys per group
 
 // Head dims served: whole 16-dim vectors, at most 256 (the scratch's Q_g^T and output rows).
 inline bool supports(int head_dim) { return head_dim % 16 == 0 && head_dim <= 256; }
 
-// One K or V head's rows of the cache: row of key position t.
-struct Rows {
-  const c10::BFloat16* base;  // the KV head's rows in block 0
-  int64_t block_stride, token_stride;  // elements
-  const int32_t* table;
-  int block_size;
-
-  const c10::BFloat16* row(int t) const {
-    return base + int64_t(table[t / block_size]) * block_stride +
-           int64_t(t % block_size) * token_stride;
-  }
-};
-
-struct Item {
-  const c10::BFloat16* query;  // the item's first token, query head kv_head * G
-  int64_t q_token_stride, q_head_stride;
-  c10::BFloat16* out;  // likewise
-  int64_t o_token_stride, o_head_stride;
-  Rows k, v;
-  int group;        // query heads per KV head
-  int head_dim;
-  int num_queries;  // 1..16
-  int first_pos;    // position of the first query token; token i sees keys <= first_pos + i
-  int num_keys;     // keys any query of the item sees (<= context)
-  float scale;
-};
+using cpu_prefill_tiles::Item;
+using cpu_prefill_tiles::Rows;
 
 // Per-thread buffers, grown on first use (no allocation in the hot loop).
 struct Scratch {
@@ -71,7 +48,7 @@ struct Scratch {
   std::vector<__m512> acc;  // [G][D] O_g^T, unnormalized
   std::vector<__m512> m, l;  // [G] the query lanes' running max and sum
   std::vector<float> k, v;  // [16 keys][D] the group's rows in float32, zeros past the context
-  alignas(64) float p[KEYS][ROWS];  // P [key][query lanes]
+  __m512 p[KEYS];  // P [key][query lanes]
 
   void size_for(int group, int head_dim) {
     const size_t vectors = size_t(group) * head_dim;
@@ -101,20 +78,6 @@ inline void widen_group(const Rows& rows, int j0, int n, int D, float* dst) {
   }
 }
 
-// Requests the next group's K and V rows while this group is computed: blocks sit anywhere in
-// the pool, and the hardware prefetcher does not follow a jump to the next one.
-inline void prefetch_group(const Item& it, int j0) {
-  const int end = std::min(j0 + KEYS, it.num_keys);
-  for (int t = j0; t < end; ++t) {
-    const char* kr = reinterpret_cast<const char*>(it.k.row(t));
-    const char* vr = reinterpret_cast<const char*>(it.v.row(t));
-    for (int line = 0; line < it.head_dim * 2; line += 64) {
-      _mm_prefetch(kr + line, _MM_HINT_T0);
-      _mm_prefetch(vr + line, _MM_HINT_T0);
-    }
-  }
-}
-
 // S^T of one head: st[key] (16 query lanes) = sum_d K[key][d] Q_g^T[d].
 inline void scores(const float* k, const __m512* qt, int D, __m512 (&st)[KEYS]) {
   for (int t = 0; t < KEYS; ++t) st[t] = _mm512_setzero_ps();
@@ -124,46 +87,14 @@ inline void scores(const float* k, const __m512* qt, int D, __m512 (&st)[KEYS]) 
   }
 }
 
-// Online softmax over one group's scores (already scaled), lane-wise: updates m and l, writes
-// P [key][lanes] and returns the lanes' correction c = exp(m - m'). Lane i sees keys
-// <= horizon[i] (and < j0 + n).
-inline __m512 softmax_lanes(const __m512 (&st)[KEYS], int j0, int n, __m512i horizon,
-                            bool all_visible, __m512& m, __m512& l, float (*p)[ROWS]) {
-  using cpu_simd::f32x16;
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __mmask16 keep[KEYS];
-  __m512 max = neg_inf;
-  for (int t = 0; t < KEYS; ++t) {
-    keep[t] = t >= n ? __mmask16(0)
-              : all_visible ? __mmask16(0xFFFF)
-                            : _mm512_cmple_epi32_mask(_mm512_set1_epi32(j0 + t), horizon);
-    max = _mm512_max_ps(max, _mm512_mask_mov_ps(neg_inf, keep[t], st[t]));
-  }
-  // Key 0 is visible to every query, so m is finite from the first group on; a query that sees
-  // none of this group's keys keeps its m and gets c = 1.
-  const __m512 m_new = _mm512_max_ps(m, max);
-  const __m512 c = __m512(cpu_simd::exp_nonpositive(f32x16(_mm512_sub_ps(m, m_new))));
-  __m512 sum = _mm512_setzero_ps();
-  for (int t = 0; t < KEYS; ++t) {
-    // Masked keys: 0, not exp(-inf) (~1e-38).
-    const __m512 e = _mm512_maskz_mov_ps(
-        keep[t], __m512(cpu_simd::exp_nonpositive(f32x16(_mm512_sub_ps(st[t], m_new)))));
-    sum = _mm512_add_ps(sum, e);
-    _mm512_store_ps(p[t], e);
-  }
-  l = _mm512_fmadd_ps(l, c, sum);
-  m = m_new;
-  return c;
-}
-
 // O_g^T = O_g^T * c + sum over the group's n keys of V[key][d] x P[key], 16 dims at a time.
-inline void accumulate(const float* v, const float (*p)[ROWS], int n, int D, __m512 c,
+inline void accumulate(const float* v, const __m512 (&p)[KEYS], int n, int D, __m512 c,
                        __m512* acc) {
   for (int d0 = 0; d0 < D; d0 += 16) {
     __m512 a[16];
     for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(acc[d0 + j], c);
     for (int t = 0; t < n; ++t) {
-      const __m512 pt = _mm512_load_ps(p[t]);
+      const __m512 pt = p[t];
       const float* vt = v + t * D + d0;
       for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(vt[j]), pt, a[j]);
     }
@@ -194,22 +125,19 @@ inline void attend(const Item& it, Scratch& sc) {
   std::fill(sc.m.begin(), sc.m.begin() + G,
             _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
   std::fill(sc.l.begin(), sc.l.begin() + G, _mm512_setzero_ps());
-  // Query lane i (padding lanes repeat the last query) sees keys <= horizon[i].
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i horizon = _mm512_add_epi32(
-      _mm512_set1_epi32(it.first_pos),
-      _mm512_min_epi32(lane, _mm512_set1_epi32(it.num_queries - 1)));
+  const __m512i horizon = cpu_prefill_tiles::horizon(it);
 
   for (int j0 = 0; j0 < it.num_keys; j0 += KEYS) {
     const int n = std::min(KEYS, it.num_keys - j0);
-    if (j0 + KEYS < it.num_keys) prefetch_group(it, j0 + KEYS);
+    if (j0 + KEYS < it.num_keys) cpu_prefill_tiles::prefetch_group(it, j0 + KEYS);
     widen_group(it.k, j0, n, D, sc.k.data());
     widen_group(it.v, j0, n, D, sc.v.data());
     const bool all_visible = j0 + n - 1 <= it.first_pos;  // the first query sees them all
     for (int g = 0; g < G; ++g) {
       __m512 st[KEYS];
       scores(sc.k.data(), sc.qt.data() + size_t(g) * D, D, st);
-      const __m512 c = softmax_lanes(st, j0, n, horizon, all_visible, sc.m[g], sc.l[g], sc.p);
+      const __m512 c = cpu_prefill_tiles::softmax_lanes(st, j0, n, horizon, all_visible, sc.m[g],
+                                                        sc.l[g], sc.p);
       accumulate(sc.v.data(), sc.p, n, D, c, sc.acc.data() + size_t(g) * D);
     }
   }
