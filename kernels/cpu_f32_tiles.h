@@ -64,8 +64,9 @@ inline void widen_pairs_block(const uint32_t* pairs, int64_t K, float* wf) {
 // (a store and a load around every FMA, half the speed).
 template <int MR, int SETS>
 __attribute__((noinline)) void block_tile(const float* wf, int64_t K, const float* const* x,
-                       c10::BFloat16* const* out, const cpu_simd::NextBlockShare& next,
-                       const float* scale) {
+                                          c10::BFloat16* const* out,
+                                          const cpu_simd::NextBlockShare& next,
+                                          const float* scale) {
   __m512 acc[SETS][MR][QUARTERS];
   for (int s = 0; s < SETS; ++s) {
     for (int m = 0; m < MR; ++m) {
