@@ -451,12 +451,13 @@ void packed_bf16_block(const uint32_t* block, int64_t pairs, const float* x_even
 // float32, so only the summation order changes). The shift-and-mask-and-two-FMAs above made
 // the kernel compute-bound at ~38 GB/s on SmolLM2's layers; this one is bound by the stream.
 // Two accumulator sets for one or two rows: 4 chains do not cover vdpbf16ps's latency.
+constexpr int DP_TWO_SETS_BELOW = 3;  // tiles of fewer rows take two sets
 
 template <int MR>
 void packed_bf16_block_dp(const uint32_t* block, int64_t pairs, const uint32_t* x_pairs,
                           c10::BFloat16* out, int64_t N, const NextBlockShare& next) {
   constexpr int J = PACK_ROWS / LANES;
-  constexpr int SETS = MR <= 2 ? 2 : 1;
+  constexpr int SETS = MR < DP_TWO_SETS_BELOW ? 2 : 1;
   __m512 acc[SETS][MR][J];
   for (int s = 0; s < SETS; ++s) {
     for (int m = 0; m < MR; ++m) {
@@ -533,9 +534,9 @@ void packed_bf16_linear_f32(torch::Tensor out, torch::Tensor x, const c10::BFloa
   auto block_bytes = [&](int64_t b) {
     return std::pair<const void*, int64_t>{w + b * block_units, block_units * 4};
   };
-  // Tiles of 1-2 rows with two accumulator sets, as packed_bf16_block_dp.
-  cpu_f32_tiles::for_blocks(N / PACK_ROWS, xf.data(), M, K, out.data_ptr<c10::BFloat16>(), N, 3,
-                            widen, block_bytes);
+  // The pairs loop's last tile of 1-2 rows with two accumulator sets, as packed_bf16_block_dp.
+  cpu_f32_tiles::for_blocks(N / PACK_ROWS, xf.data(), M, K, out.data_ptr<c10::BFloat16>(), N,
+                            DP_TWO_SETS_BELOW, widen, block_bytes);
 }
 #endif
 

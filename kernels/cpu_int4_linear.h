@@ -441,8 +441,8 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
   if (M >= DEQUANTIZED_PAIRS_MIN_M) {  // dequantize each block once, then the bf16 pairs loop
 #if defined(CPU_F32_TILES)
     // Without AVX512-BF16: into float32 lanes, then plain FMAs (cpu_f32_tiles.h): SmolLM2's 30
-    // layers, 2-core cloud Xeon, min of 5, ms, bf16 pairs vs float32 lanes: 9 rows 17.1 vs 13.9,
-    // 16 rows 22.6 vs 17.6, 64 rows 65.3 vs 50.3, 512 rows 457 vs 361 (same bits).
+    // layers, 2-core cloud Xeon, min of 5, ms, bf16 pairs vs float32 lanes (4-row tiles): 16 rows
+    // 22.6 vs 17.6, 64 rows 65.3 vs 50.3, 512 rows 457 vs 361 (same bits).
     const std::vector<float> xf = cpu_f32_tiles::widen_rows(x, M, K);
     auto widen = [&](int64_t b, float* wf, float*) -> const float* {
       build_dequantized_f32(packed + b * BLOCK_ROWS * K / 2, sz + b * BLOCK_ROWS, N, K,
@@ -453,8 +453,7 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
       return std::pair<const void*, int64_t>{packed + b * BLOCK_ROWS * K / 2, BLOCK_ROWS * K / 2};
     };
     cpu_f32_tiles::for_blocks(blocks, xf.data(), M, K, out, N, 0, widen, block_bytes);
-    return;
-#endif
+#else
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<__m512i> buffer(size_t(K / 2 * QUARTERS));  // K/2 x 256 bytes, in L2
       uint32_t* pairs = reinterpret_cast<uint32_t*>(buffer.data());
@@ -465,6 +464,7 @@ inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_
         cpu_pair_tiles::all_rows(pairs, x, M, K, out, N, b * BLOCK_ROWS, next, BLOCK_ROWS * K / 2);
       }
     });
+#endif
     return;
   }
 #if !defined(__AVX512BF16__)

@@ -347,10 +347,11 @@ constexpr int64_t MIN_M = DOT_MIN_M;
 inline void linear(c10::BFloat16* out, const c10::BFloat16* x, int64_t M, int64_t K,
                    const int8_t* q, const c10::BFloat16* scales, int64_t N) {
 #if defined(CPU_F32_TILES)
-  return linear_block_f32(out, x, M, K, q, scales, N);
-#endif
+  linear_block_f32(out, x, M, K, q, scales, N);
+#else
   if (M >= LANES_MIN_M) return linear_lanes(out, x, M, K, q, scales, N);
-  return linear_dot(out, x, M, K, q, scales, N);
+  linear_dot(out, x, M, K, q, scales, N);
+#endif
 }
 
 }  // namespace cpu_int8_rows
