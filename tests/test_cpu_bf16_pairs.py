@@ -87,7 +87,7 @@ def test_the_builds_differ_as_intended(fused):
 # there only the native build dequantizes (to bfloat16 weights: another rounding, not only
 # another order; the fallback keeps the nibbles up to 12 rows).
 @pytest.mark.parametrize("rows", [3, 5, 13, 38, 64])
-def test_int4_linear_same_bits(fused, rows):
+def test_int4_linear_matches_the_native_build(fused, rows):
     gen = torch.Generator().manual_seed(rows)
     packed, scale_and_zero, _ = int4_weight(192, 576, 64, gen)
     x = torch.randn(rows, 576, generator=gen).bfloat16()
@@ -112,7 +112,7 @@ def test_int4_linear_one_or_two_rows_take_float_lanes_without_bf16(fused, rows):
 # partial x tile). Without AVX512-BF16 the FMA kernel up to 12 rows, then float32 blocks
 # (cpu_int8_rows.h, linear_block_f32): the same products summed in other orders.
 @pytest.mark.parametrize("rows", [1, 5, 17, 32, 64, 100])
-def test_int8_linear_same_bits(fused, rows):
+def test_int8_linear_matches_the_native_build(fused, rows):
     gen = torch.Generator().manual_seed(rows)
     q = torch.randint(-127, 128, (192, 576), dtype=torch.int8, generator=gen)
     s = (torch.rand(192, generator=gen) * 0.02 + 0.001).bfloat16()
@@ -124,7 +124,7 @@ def test_int8_linear_same_bits(fused, rows):
 # From 25 rows, without AVX512-BF16, blocks widened to float32 (cpu_f32_tiles.h); 26 and 38: a
 # last pairs tile of 2 rows (two accumulator sets, as the pairs loop).
 @pytest.mark.parametrize("rows", [1, 2, 4, 7, 25, 26, 38, 64])
-def test_packed_bf16_linear_same_bits(fused, rows):
+def test_packed_bf16_linear_matches_the_native_build(fused, rows):
     n, k = 192, 576
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -136,7 +136,7 @@ def test_packed_bf16_linear_same_bits(fused, rows):
 
 
 @pytest.mark.parametrize("q_len", [1, 3])  # decode rows (cpu_decode_bf16.h); generic scores
-def test_attention_same_bits(attention, q_len):
+def test_attention_matches_the_native_build(attention, q_len):
     heads, kv_heads, dim, block, blocks = 9, 3, 64, 16, 96
     gen = torch.Generator().manual_seed(q_len)
     seq_lens = torch.tensor([1, 40, 130, 300], dtype=torch.int32)
