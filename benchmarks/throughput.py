@@ -122,8 +122,6 @@ def roofline_report(steps: list[StepStats], device: str, dtype: str, duration_s:
     fraction of that bound the run achieved (bound / measured wall time), which unlike a tok/s
     figure does not depend on which CPU ran it."""
     ceilings = get_ceilings(device)
-    if dtype not in ceilings.peak_flops_per_s:
-        ceilings = get_ceilings(device, refresh=True)  # a cached roof from before int8 peaks
     bound_s = roofline_bound_s(ceilings, dtype, ((s.flops, s.bytes_moved) for s in steps))
     by_kind = {}  # where the run's time went against its bound: decode vs mixed / prefill steps
     for kind in sorted({s.kind for s in steps}):

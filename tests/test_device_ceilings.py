@@ -111,7 +111,7 @@ def test_measure_and_cache_on_cpu(cache_dir, monkeypatch):
     assert first.ridge_point("float32") > 0
 
     path = cache_dir / CACHE_FILE_NAME
-    assert first.name in json.loads(path.read_text())
+    assert dc.cache_key("cpu") in json.loads(path.read_text())
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("should have come from a cache")
@@ -137,6 +137,36 @@ def test_refresh_and_bad_cache_file(cache_dir, monkeypatch):
     get_ceilings("cpu", refresh=True)
     assert len(calls) == 2
     assert json.loads((cache_dir / CACHE_FILE_NAME).read_text())  # rewritten, valid again
+
+
+def test_a_roof_from_another_machine_or_version_is_measured_again(cache_dir, monkeypatch):
+    """The disk cache is keyed by what decides the roof, not the CPU's model name alone: cloud
+    guests of different generations share "Intel(R) Xeon(R) Processor", and a roof measured the
+    way an older version did (a CPU's bf16 roof below float32's) must not be shown again."""
+    calls = []
+
+    def fake_measure(device="cpu", dtypes=dc.DTYPES):
+        calls.append(device)
+        return DeviceCeilings(dc.device_name(device), {"float32": 3.0}, 4.0, True, "fresh")
+
+    monkeypatch.setattr(dc, "measure_ceilings", fake_measure)
+    monkeypatch.setattr(dc, "cpu_features", lambda: ["avx2", "avx512f"])
+    stale = DeviceCeilings(dc.device_name("cpu"), {"float32": 1.0}, 2.0, True, "stale")
+    key = dc.cache_key("cpu")
+    assert "avx512f" in key and f"v{dc.MEASUREMENT_VERSION}" in key
+    older = key.replace(f"v{dc.MEASUREMENT_VERSION}", f"v{dc.MEASUREMENT_VERSION - 1}")
+    entries = {stale.name: stale.to_dict(), older: stale.to_dict()}  # keys older versions wrote
+    (cache_dir / CACHE_FILE_NAME).write_text(json.dumps(entries))
+    assert get_ceilings("cpu").source == "fresh" and len(calls) == 1
+
+    # The same model name on a CPU with AMX is another machine: its own roof.
+    monkeypatch.setattr(dc, "cpu_features", lambda: ["avx2", "avx512f", "amx_bf16", "amx_int8"])
+    assert dc.cache_key("cpu") != key
+    assert get_ceilings("cpu").source == "fresh" and len(calls) == 2
+    monkeypatch.setattr(dc, "cpu_features", lambda: ["avx2", "avx512f"])
+    dc.clear_memory_cache()
+    assert get_ceilings("cpu").source == "fresh" and len(calls) == 2  # each kept on disk
+    assert set(json.loads((cache_dir / CACHE_FILE_NAME).read_text())) >= {key, older}
 
 
 def test_cpu_bfloat16_roof_is_at_least_float32s(monkeypatch):

@@ -23,6 +23,13 @@ from typing import Any
 # (its ops counted as FLOPs: 2 per multiply-add, as for the float types).
 DTYPES = ("float32", "bfloat16", "float16", "int8")
 CACHE_FILE_NAME = "device_ceilings.json"
+# What a cached roof means: bump when measure_ceilings changes what it measures, so a roof
+# cached by an older version is measured again instead of shown (2: int8 peaks; 3: a CPU's
+# bfloat16 roof is at least its float32 one).
+MEASUREMENT_VERSION = 3
+# The CPU features that decide which kernels (torch's and ours) can run, hence the roofs: cloud
+# guests of different generations often share one model name ("Intel(R) Xeon(R) Processor").
+CPU_FEATURE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,30 @@ def device_name(device: str = "cpu") -> str:
     return f"{model} ({torch.get_num_threads()} threads)"
 
 
+def cpu_features() -> list[str]:
+    """Which of CPU_FEATURE_FLAGS /proc/cpuinfo lists ([] where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in CPU_FEATURE_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
+def cache_key(device: str = "cpu") -> str:
+    """The disk cache's key for this device's roof: its name, and what else decides what the
+    roof measures (the CPU's features, torch's version, the measurement's version), so a roof
+    is never taken from another kind of machine or an older way of measuring."""
+    import torch
+
+    features = "" if device.startswith("cuda") else f"; {' '.join(cpu_features()) or 'no flags'}"
+    version = torch.__version__.split("+")[0]
+    return f"{device_name(device)}{features}; torch {version}; v{MEASUREMENT_VERSION}"
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -300,12 +331,12 @@ def _load_disk_cache(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _save_to_disk(ceilings: DeviceCeilings) -> None:
+def _save_to_disk(key: str, ceilings: DeviceCeilings) -> None:
     path = cache_dir() / CACHE_FILE_NAME
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _load_disk_cache(path)
-        data[ceilings.name] = ceilings.to_dict()
+        data[key] = ceilings.to_dict()
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
         os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
@@ -314,32 +345,33 @@ def _save_to_disk(ceilings: DeviceCeilings) -> None:
 
 
 def get_ceilings(device: str = "cpu", refresh: bool = False) -> DeviceCeilings:
-    """Ceilings of `device`, measured at most once per device name: from this process's cache,
+    """Ceilings of `device`, measured at most once per cache_key: from this process's cache,
     else the JSON cache file, else measured now (and saved). refresh=True measures again."""
-    name = device_name(device)
+    key = cache_key(device)
     with _cache_lock:
         if not refresh:
-            if name in _memory_cache:
-                return _memory_cache[name]
-            entry = _load_disk_cache(cache_dir() / CACHE_FILE_NAME).get(name)
+            if key in _memory_cache:
+                return _memory_cache[key]
+            entry = _load_disk_cache(cache_dir() / CACHE_FILE_NAME).get(key)
             if entry is not None:
                 try:
-                    _memory_cache[name] = DeviceCeilings.from_dict(entry)
-                    return _memory_cache[name]
+                    _memory_cache[key] = DeviceCeilings.from_dict(entry)
+                    return _memory_cache[key]
                 except (KeyError, TypeError, ValueError, AttributeError):
                     pass  # a stale or hand-edited entry: measure again
         ceilings = measure_ceilings(device)
-        _memory_cache[name] = ceilings
-        _save_to_disk(ceilings)
+        _memory_cache[key] = ceilings
+        _save_to_disk(key, ceilings)
         return ceilings
 
 
-def remember_ceilings(ceilings: DeviceCeilings) -> None:
-    """Make `ceilings` its device's cached roof (in-process and on disk): for a caller that
+def remember_ceilings(ceilings: DeviceCeilings, device: str = "cpu") -> None:
+    """Make `ceilings` the cached roof of `device` (in-process and on disk): for a caller that
     measured itself and decided this one should replace the cached one."""
+    key = cache_key(device)
     with _cache_lock:
-        _memory_cache[ceilings.name] = ceilings
-        _save_to_disk(ceilings)
+        _memory_cache[key] = ceilings
+        _save_to_disk(key, ceilings)
 
 
 def clear_memory_cache() -> None:

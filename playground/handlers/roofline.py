@@ -108,7 +108,7 @@ class CeilingsProvider:
         with self._lock:
             if is_better(new, old):
                 self._measured, self.latest = new, None
-                remember_ceilings(new)
+                remember_ceilings(new, self.device)
                 return new, True
             self.latest = new
             return new, False
