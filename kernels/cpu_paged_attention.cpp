@@ -388,7 +388,7 @@ void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q
   const int64_t total = int64_t(items.size()) * p.num_kv_heads;
   const int max_rows = QUERY_CHUNK * p.group;
   const FastDecode fast = fast_decode<Q, C>(p);
-  const PrefillTiles tiles = prefill_tiles<Q, C>(p);
+  [[maybe_unused]] const PrefillTiles tiles = prefill_tiles<Q, C>(p);  // none in AVX2 builds
   // torch's intra-op thread count; dynamic schedule: items differ in context length.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
