@@ -66,6 +66,21 @@ def kernel_layout(n: int, k: int) -> str | None:
     return None
 
 
+def preset_shapes(preset: str, lm_head: bool = False) -> dict[str, tuple[int, int]]:
+    """A decoder layer's fused weights [N, K] of the model preset (and its LM head)."""
+    arch = MODEL_PRESETS[preset]
+    h, d, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    shapes = {
+        "qkv": ((arch.num_heads + 2 * arch.num_kv_heads) * d, h),
+        "o": (h, arch.num_heads * d),
+        "gate_up": (2 * inter, h),
+        "down": (h, inter),
+    }
+    if lm_head:
+        shapes["lm_head"] = (arch.vocab_size, h)
+    return shapes
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="smollm2-135m", choices=sorted(MODEL_PRESETS))
@@ -86,15 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     if (why := cpu_fused_ops.cpu_fused_ops_status()) is not None:
         raise SystemExit(f"the C++ kernels are unavailable: {why}")
     arch = MODEL_PRESETS[args.preset]
-    h, d, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
-    shapes = {
-        "qkv": ((arch.num_heads + 2 * arch.num_kv_heads) * d, h),
-        "o": (h, arch.num_heads * d),
-        "gate_up": (2 * inter, h),
-        "down": (h, inter),
-    }
-    if args.lm_head:
-        shapes["lm_head"] = (arch.vocab_size, h)
+    shapes = preset_shapes(args.preset, args.lm_head)
     layouts = {k: kernel_layout(*s) for k, s in shapes.items()}
     readable = {k: s for k, s in shapes.items() if layouts[k] is not None}
     if not readable:

@@ -16,9 +16,8 @@ def test_tiny_run_times_both_paths(tmp_path):
         pytest.skip(f"CPU fused ops unavailable: {why}")
     from benchmarks import packed_linear
 
-    # the tiny preset's decoder shapes and its LM head
-    shapes = {"qkv": (128, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128),
-              "lm_head": (49152, 64)}  # fmt: skip
+    shapes = packed_linear.preset_shapes("tiny", lm_head=True)
+    assert set(shapes) == {"qkv", "o", "gate_up", "down", "lm_head"}
     if not any(packed_linear.kernel_layout(*s) for s in shapes.values()):
         pytest.skip("the kernel reads none of the tiny shapes' packed layouts on this CPU")
 
