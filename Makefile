@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 ARGS ?=
 
-.PHONY: run test test-fast screenshots setup setup-dev browser compiler lint format bench bench-batch1 bench-prefix bench-spec bench-quant bench-parallel bench-kvq bench-ui quantize soak gpu-check gpu-tune clean
+.PHONY: run test test-fast screenshots setup setup-dev browser compiler lint format bench bench-batch1 bench-prefix bench-spec bench-quant bench-aims bench-parallel bench-kvq bench-ui quantize soak gpu-check gpu-tune clean
 
 run: setup
 	$(BIN)/python app.py $(ARGS)
@@ -107,6 +107,13 @@ bench-quant: setup
 # Any float folder: make quantize ARGS='--model DIR --out OUT'
 quantize: setup
 	$(BIN)/python -m engine.quantize --method awq --group-size 64 $(ARGS)
+
+# The CPU aims of the speed and quantization work on this machine, in one run: batch-1 TPOT
+# against its floor and HF, the chat workload against its roofline bound and HF, decode
+# attention against its floor, int8/int4/awq against bf16 (~20 min on 2 cores, + the AWQ
+# checkpoint's ~33 min the first time); prints met / missed per aim.
+bench-aims: setup
+	$(BIN)/python -m benchmarks.aims $(ARGS)
 
 bench-parallel: setup
 	$(BIN)/python -m benchmarks.parallel $(ARGS)

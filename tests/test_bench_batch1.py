@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks import batch1, common
+from benchmarks import aims, batch1, common
 from engine.telemetry.ceilings import DeviceCeilings
 
 
@@ -39,6 +39,8 @@ def test_bench_batch1_varies_a_field_and_reports_the_floor(tmp_path, capsys, mon
         on["tpot_ms"] / on["floor_tpot_ms"], rel=0.02, abs=0.0051
     )
     assert report["vary"] == "prepack_weights" and report["config"]["dtype"] == "bfloat16"
+    judged = {v["aim"]: v["value"] for v in aims.judge(aims.AIMS, {"batch1": report})}
+    assert judged["batch-1 bf16 TPOT over the bandwidth floor"] == on["tpot_over_floor"]
     assert asked == [("cpu", True)]
     asked.clear()
     batch1.main([*argv[:-2], "--skip-hf", "--cached-ceilings", "--vary", "prepack_weights=true"])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import cpu_attention
+from benchmarks import aims, cpu_attention
 from engine.core.block_manager import cdiv
 from kernels.cpu_attention import cpu_kernel_status
 
@@ -56,6 +56,8 @@ def test_tiny_run_reports_every_placement(tmp_path, capsys, monkeypatch):
     assert report["cpu_kernel_engine_placement_over_floor"] > 0
     assert report["cpu_kernel_contiguous_over_floor"] > 0
     assert report["relative_error_vs_gather_sdpa"]["cpu_kernel"] < 2e-2
+    (judged,) = aims.judge(aims.AIMS, {"attention": report})
+    assert judged["value"] == round(report["cpu_kernel_over_floor"], 3)
 
 
 def test_prefill_benchmark_times_three_paths_and_checks_them(tmp_path):

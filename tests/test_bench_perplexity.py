@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from benchmarks import aims
 from benchmarks import perplexity as bench_ppl
 from engine import LLM, SamplingParams
 from engine.quality import held_out_text, windows_of
@@ -27,6 +28,9 @@ def test_perplexity_reports_each_value_of_the_varied_field(tmp_path, capsys):
     assert none["tokens_scored"] == int8["tokens_scored"] == 2 * 23
     assert none["perplexity"] == pytest.approx(math.exp(none["nll"]), rel=1e-4)
     assert none["perplexity_change_pct"] == 0.0 and int8["nll"] != none["nll"]
+    judged = {v["aim"]: v["value"] for v in aims.judge(aims.AIMS, {"perplexity": report})}
+    ratio = int8["perplexity"] / none["perplexity"]
+    assert judged["int8 perplexity over bf16's"] == pytest.approx(ratio, abs=1e-3)
 
     # The NLL is the mean of the engine's prompt logprobs over the same windows.
     from engine.runner.model_loader import load_tokenizer, resolve_model

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from benchmarks import aims, quant_crossover
 from benchmarks import quant as bench_quant
-from benchmarks import quant_crossover
 
 
 @pytest.mark.slow  # three engines, ~20 s on 2 cores
@@ -29,6 +29,13 @@ def test_bench_quant_reports_each_format_against_none(tmp_path, capsys):
         assert run["batch1_tpot_ms"] > 0 and run["batch64_decode_tokens_per_s"] > 0
         assert run["batch64_decode_steps"] > 0 and 0.0 <= run["greedy_token_agreement"] <= 1.0
         assert [len(v) for v in run["rounds"].values()] == [2, 2]  # the formats took turns
+    judged = {v["aim"]: v["value"] for v in aims.judge(aims.AIMS, {"quant": report})}
+    assert judged["int4 batch-1 TPOT over bf16's"] == runs["int4"]["batch1_tpot_vs_none"]
+    assert (
+        judged["int8 batch-64 decode throughput over bf16's"]
+        == (runs["int8"]["batch64_decode_vs_none"])
+    )
+    assert judged["awq batch-1 TPOT over bf16's"] is None  # not run here
 
 
 def test_formats_are_checked(capsys):

@@ -1,0 +1,204 @@
+"""The CPU aims of the speed and quantization work, measured in one run on this machine.
+
+    python -m benchmarks.aims                            # every aim (~20 min on 2 cores)
+    python -m benchmarks.aims --only batch1,attention    # some of the benchmarks
+    python -m benchmarks.aims --from results/aims-...    # judge a finished run's JSON again
+    make bench-aims
+
+The aims are written per CPU class, and CPUs differ in what runs where (AMX tiles, AVX512-BF16
+pairs, float32 tiles on AVX-512 without bfloat16: kernels/README.md), so an aim met on one
+class says nothing of another. This runs the benchmarks that measure them, each in its own
+process as a user would run it (its JSON kept under --out), and prints one JSON: the machine
+(CPU model, the features that decide which kernels run, threads, load average before and after)
+and for every aim the measured value, the bound, whether it is met and which field of which
+benchmark it came from. Every value is a ratio measured within one benchmark's run (against
+the bandwidth floor or roofline bound measured in that run, Hugging Face in the same process,
+or bf16 in the same rounds), never an absolute time compared across runs.
+
+Benchmarks (--only picks among them):
+- batch1: benchmarks.batch1, bf16 with prepacked weights, and Hugging Face `generate`;
+- chat: benchmarks.throughput, the 64-request chat workload (continuous batching) and Hugging
+  Face's continuous batching;
+- attention: benchmarks.cpu_attention, one layer's decode attention at batch 64 x ~400 tokens;
+- quant: benchmarks.quant, none / int8 / int4 / awq weights (awq needs the embedded model's
+  AutoAWQ checkpoint: made first if missing, ~33 min on 2 cores);
+- perplexity: benchmarks.perplexity, the same four formats on held-out text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Each benchmark as a command line (after `python -m`); every one takes --json.
+BENCHMARKS: dict[str, list[str]] = {
+    "batch1": ["benchmarks.batch1", "--vary", "prepack_weights=true"],
+    "chat": ["benchmarks.throughput", "--skip", "static", "hf"],
+    "attention": ["benchmarks.cpu_attention"],
+    "quant": ["benchmarks.quant", "--formats", "none,int8,int4,awq"],
+    "perplexity": ["benchmarks.perplexity", "--vary", "quantization=none,int8,int4,awq"],
+}
+BATCH1_RUN = "ours prepack_weights=true"
+REPO_ROOT = (
+    Path(__file__).resolve().parents[1]
+)  # where `python -m benchmarks.X` finds them  # benchmarks.batch1's name for the --vary run above
+
+
+def _quant_run(report: dict, fmt: str) -> dict:
+    return next(r for r in report["runs"] if r["quantization"] == fmt)
+
+
+def _perplexity_of(report: dict, fmt: str) -> float:
+    return next(r["perplexity"] for r in report["runs"] if r["quantization"] == fmt)
+
+
+@dataclass(frozen=True)
+class Aim:
+    issue: int  # the issue that set it
+    name: str
+    benchmark: str  # a key of BENCHMARKS
+    field: str  # where in that benchmark's JSON the value comes from, for a reader
+    value: Callable[[dict], float]  # the value, from the benchmark's JSON
+    op: str  # met when `value op bound`: a key of COMPARE
+    bound: float
+
+
+COMPARE: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    ">=": operator.ge,
+    "<": operator.lt,  # strictly better ("AWQ better than round-to-nearest")
+}
+
+
+AIMS = (
+    Aim(17, "batch-1 bf16 TPOT over the bandwidth floor", "batch1",
+        f"runs['{BATCH1_RUN}'].tpot_over_floor",
+        lambda r: r["runs"][BATCH1_RUN]["tpot_over_floor"], "<=", 2.0),
+    Aim(17, "batch-1 bf16 TPOT, Hugging Face generate over ours", "batch1",
+        f"runs['hf generate'].tpot_ms / runs['{BATCH1_RUN}'].tpot_ms",
+        lambda r: r["runs"]["hf generate"]["tpot_ms"] / r["runs"][BATCH1_RUN]["tpot_ms"],
+        ">=", 2.5),
+    Aim(17, "chat workload, fraction of its roofline bound", "chat",
+        "results.continuous.roofline.fraction_of_bound",
+        lambda r: r["results"]["continuous"]["roofline"]["fraction_of_bound"], ">=", 0.60),
+    Aim(17, "chat workload, ours over Hugging Face continuous batching", "chat",
+        "ratios.continuous_vs_hf_continuous",
+        lambda r: r["ratios"]["continuous_vs_hf_continuous"], ">=", 3.0),
+    Aim(17, "batch-64 decode attention over its KV-read floor (blocks anywhere)", "attention",
+        "cpu_kernel_over_floor", lambda r: r["cpu_kernel_over_floor"], "<=", 1.5),
+    Aim(13, "int4 batch-1 TPOT over bf16's", "quant", "runs[int4].batch1_tpot_vs_none",
+        lambda r: _quant_run(r, "int4")["batch1_tpot_vs_none"], "<=", 0.4),
+    Aim(13, "awq batch-1 TPOT over bf16's", "quant", "runs[awq].batch1_tpot_vs_none",
+        lambda r: _quant_run(r, "awq")["batch1_tpot_vs_none"], "<=", 0.4),
+    Aim(13, "int8 batch-1 TPOT over bf16's", "quant", "runs[int8].batch1_tpot_vs_none",
+        lambda r: _quant_run(r, "int8")["batch1_tpot_vs_none"], "<=", 0.6),
+    *(
+        Aim(13, f"{fmt} batch-64 decode throughput over bf16's", "quant",
+            f"runs[{fmt}].batch64_decode_vs_none",
+            lambda r, fmt=fmt: _quant_run(r, fmt)["batch64_decode_vs_none"], ">=", 1.0)
+        for fmt in ("int8", "int4", "awq")
+    ),
+    Aim(13, "awq perplexity over int4 round-to-nearest's (same group size)", "perplexity",
+        "runs[awq].perplexity / runs[int4].perplexity",
+        lambda r: _perplexity_of(r, "awq") / _perplexity_of(r, "int4"), "<", 1.0),
+    Aim(13, "int8 perplexity over bf16's", "perplexity",
+        "runs[int8].perplexity / runs[none].perplexity",
+        lambda r: _perplexity_of(r, "int8") / _perplexity_of(r, "none"), "<=", 1.01),
+)  # fmt: skip
+
+
+def judge(aims: Sequence[Aim], reports: dict[str, dict]) -> list[dict]:
+    """Every aim whose benchmark ran, measured against its bound (a field missing from the
+    report, e.g. awq left out, is said, not guessed)."""
+    verdicts = []
+    for aim in aims:
+        if aim.benchmark not in reports:
+            continue
+        verdict = {"issue": aim.issue, "aim": aim.name, "benchmark": aim.benchmark,
+                   "field": aim.field, "bound": f"{aim.op} {aim.bound:g}"}  # fmt: skip
+        try:
+            value = float(aim.value(reports[aim.benchmark]))
+        except (KeyError, StopIteration, TypeError, ZeroDivisionError) as e:
+            verdict.update(value=None, met=None, why=f"not in the report: {e!r}")
+        else:
+            verdict.update(value=round(value, 3), met=COMPARE[aim.op](value, aim.bound))
+        verdicts.append(verdict)
+    return verdicts
+
+
+def machine() -> dict:
+    """What decides which kernels run here, and how busy the machine is."""
+    import torch
+
+    from engine.telemetry.ceilings import cpu_features, device_name
+
+    return {
+        "cpu": device_name("cpu"),
+        "cpu_features": cpu_features(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
+
+
+def run_benchmark(name: str, out_dir: Path) -> dict:
+    """One benchmark in its own process (its output shown as it runs); its JSON report."""
+    path = out_dir / f"{name}.json"
+    cmd = [sys.executable, "-m", *BENCHMARKS[name], "--json", str(path)]
+    print(f"[aims] {name}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, cwd=REPO_ROOT, check=False)
+    if done.returncode != 0 or not path.exists():
+        raise RuntimeError(f"{name}: {' '.join(cmd[2:])} exited {done.returncode}")
+    print(f"[aims] {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return json.loads(path.read_text())
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", default=",".join(BENCHMARKS),
+                   help=f"comma-separated, of {', '.join(BENCHMARKS)} (default: all)")  # fmt: skip
+    p.add_argument("--out", type=Path, help="where the JSON reports go (default results/aims-TIME)")
+    p.add_argument("--from", dest="from_dir", type=Path,
+                   help="judge the reports already in this folder instead of running")  # fmt: skip
+    args = p.parse_args(argv)
+    args.only = [n.strip() for n in args.only.split(",") if n.strip()]
+    if unknown := [n for n in args.only if n not in BENCHMARKS]:
+        p.error(f"--only: unknown {', '.join(unknown)} (choose from {', '.join(BENCHMARKS)})")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    report: dict = {"benchmark": "benchmarks.aims", "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    if args.from_dir is not None:
+        reports = {n: json.loads((args.from_dir / f"{n}.json").read_text())
+                   for n in args.only if (args.from_dir / f"{n}.json").exists()}  # fmt: skip
+        report["reports"] = str(args.from_dir)
+    else:
+        out_dir = args.out or Path("results") / f"aims-{time.strftime('%Y%m%d-%H%M%S')}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        report["machine_before"] = machine()
+        reports = {name: run_benchmark(name, out_dir) for name in args.only}
+        report["machine_after"] = machine()
+        report["reports"] = str(out_dir)
+    verdicts = judge(AIMS, reports)
+    report["aims"] = verdicts
+    report["met"] = sum(v["met"] is True for v in verdicts)
+    report["missed"] = [v["aim"] for v in verdicts if v["met"] is False]
+    print(json.dumps(report, indent=2))
+    if args.from_dir is None:
+        (Path(report["reports"]) / "aims.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
