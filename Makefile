@@ -103,7 +103,8 @@ bench-quant: setup
 	$(BIN)/python -m benchmarks.quant $(ARGS)
 
 # The embedded model's AutoAWQ checkpoint (int4, group 64), calibrated on local text into the
-# cache the engine loads it from, once (measured: 1,997 s on the 2 shared, busy cores).
+# cache the engine loads it from, once (measured on 2 cores: 1,997 s on a busy EPYC, 180 s on
+# an AVX-512 Xeon).
 # Any float folder: make quantize ARGS='--model DIR --out OUT'
 quantize: setup
 	$(BIN)/python -m engine.quantize --method awq --group-size 64 $(ARGS)
@@ -111,7 +112,7 @@ quantize: setup
 # The CPU aims of the speed and quantization work on this machine, in one run: batch-1 TPOT
 # against its floor and HF, the chat workload against its roofline bound and HF, decode
 # attention against its floor, int8/int4/awq against bf16 (~20 min on 2 cores, + the AWQ
-# checkpoint's ~33 min the first time); prints met / missed per aim.
+# checkpoint's 3-33 min the first time); prints met / missed per aim.
 bench-aims: setup
 	$(BIN)/python -m benchmarks.aims $(ARGS)
 

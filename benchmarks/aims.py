@@ -21,7 +21,7 @@ Benchmarks (--only picks among them):
   Face's continuous batching;
 - attention: benchmarks.cpu_attention, one layer's decode attention at batch 64 x ~400 tokens;
 - quant: benchmarks.quant, none / int8 / int4 / awq weights (awq needs the embedded model's
-  AutoAWQ checkpoint: made first if missing, ~33 min on 2 cores);
+  AutoAWQ checkpoint: made first if missing, 3-33 min on 2 cores);
 - perplexity: benchmarks.perplexity, the same four formats on held-out text.
 """
 

@@ -6,7 +6,7 @@ on one model, in one run.
     python -m benchmarks.quant --formats none,int4     # a model without an AWQ checkpoint
 
 awq runs the embedded model's AutoAWQ checkpoint at --quantization-group-size (engine/quantize:
-made once, 33 minutes measured on 2 busy CPU cores, if `make quantize` has not made it yet).
+made once, 3-33 minutes measured on 2 CPU cores, if `make quantize` has not made it yet).
 
 Every format's engine is built (same model, same seed; all loaded at once, each with its own KV
 cache), then timed in --rounds rounds that take the formats in turn (medians reported, each

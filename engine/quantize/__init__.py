@@ -45,7 +45,7 @@ def produce_embedded_awq(target: Path, group_size: int) -> dict:
     assert src is not None  # the embedded model always has a converted folder
     print(
         f"AWQ: no checkpoint of {EMBEDDED_MODEL} at group size {group_size} yet; calibrating "
-        f"with autoawq on local text (once; measured 33 minutes on 2 busy CPU cores) into {target}",
+        f"with autoawq on local text (once; measured 3-33 minutes on 2 CPU cores) into {target}",
         file=sys.stderr,
         flush=True,
     )
