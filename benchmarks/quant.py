@@ -210,6 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         run["batch64_decode_vs_none"] = round(
             run["batch64_decode_tokens_per_s"] / base["batch64_decode_tokens_per_s"], 2
         )
+        # Round by round (the formats took turns within each): how much of a ratio is noise.
+        run["rounds_vs_none"] = {
+            key: [
+                round(a / b, 2)
+                for a, b in zip(run["rounds"][key], base["rounds"][key], strict=True)
+            ]
+            for key in ("batch1_tpot_ms", "batch64_decode_tokens_per_s")
+        }
     report = {
         "model": config.model,
         "config": config_report(config.replace(quantization="none", int8_activations=False)),

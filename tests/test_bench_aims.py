@@ -18,11 +18,12 @@ def verdicts_by_aim(reports: dict[str, dict]) -> dict[str, dict]:
 
 
 def test_each_aim_is_judged_against_its_bound():
-    quant_runs = [
-        {"quantization": "none", "batch1_tpot_vs_none": 1.0, "batch64_decode_vs_none": 1.0},
-        {"quantization": "int8", "batch1_tpot_vs_none": 0.55, "batch64_decode_vs_none": 0.99},
-        {"quantization": "int4", "batch1_tpot_vs_none": 0.35, "batch64_decode_vs_none": 1.02},
-    ]
+    def run(fmt: str, batch1: float, batch64: float) -> dict:
+        by_round = {"batch1_tpot_ms": [batch1, 0.5], "batch64_decode_tokens_per_s": [batch64, 1.1]}
+        return {"quantization": fmt, "batch1_tpot_vs_none": batch1,
+                "batch64_decode_vs_none": batch64, "rounds_vs_none": by_round}  # fmt: skip
+
+    quant_runs = [run("none", 1.0, 1.0), run("int8", 0.55, 0.99), run("int4", 0.35, 1.02)]
     ppl = [{"quantization": q, "perplexity": p} for q, p in
            (("none", 25.0), ("int8", 25.2), ("int4", 32.0), ("awq", 32.0))]  # fmt: skip
     verdicts = verdicts_by_aim({"quant": {"runs": quant_runs}, "perplexity": {"runs": ppl}})
@@ -30,6 +31,9 @@ def test_each_aim_is_judged_against_its_bound():
     assert verdicts["int4 batch-1 TPOT over bf16's"]["met"] is True
     assert verdicts["int8 batch-64 decode throughput over bf16's"]["met"] is False  # < 1.0
     assert verdicts["int4 batch-64 decode throughput over bf16's"]["value"] == 1.02
+    # Each round's ratio is shown beside the verdict (the noise), not judged.
+    assert verdicts["int4 batch-64 decode throughput over bf16's"]["rounds"] == [1.02, 1.1]
+    assert verdicts["int8 batch-1 TPOT over bf16's"]["rounds"] == [0.55, 0.5]
     assert verdicts["int8 perplexity over bf16's"] == {
         "issue": 13, "aim": "int8 perplexity over bf16's", "benchmark": "perplexity",
         "field": "runs[int8].perplexity / runs[none].perplexity", "bound": "<= 1.01",

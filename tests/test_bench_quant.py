@@ -29,6 +29,8 @@ def test_bench_quant_reports_each_format_against_none(tmp_path, capsys):
         assert run["batch1_tpot_ms"] > 0 and run["batch64_decode_tokens_per_s"] > 0
         assert run["batch64_decode_steps"] > 0 and 0.0 <= run["greedy_token_agreement"] <= 1.0
         assert [len(v) for v in run["rounds"].values()] == [2, 2]  # the formats took turns
+    by_round = runs["int4"]["rounds_vs_none"]["batch64_decode_tokens_per_s"]
+    assert len(by_round) == 2 and runs["none"]["rounds_vs_none"]["batch1_tpot_ms"] == [1.0, 1.0]
     judged = {v["aim"]: v["value"] for v in aims.judge(aims.AIMS, {"quant": report})}
     assert judged["int4 batch-1 TPOT over bf16's"] == runs["int4"]["batch1_tpot_vs_none"]
     assert (
