@@ -333,7 +333,7 @@ bool attend_decode_fast(FastDecode fast, const Problem& p, const WorkItem& item,
 // the CPU has AMX, cpu_prefill_f32.h on AVX-512 CPUs without AVX512-BF16): a group of 16 keys
 // costs a K/V conversion whatever the rows, which only pays with several query tokens sharing
 // it (prefill chunks; speculative verification's few tokens stay on the row path).
-constexpr int AMX_MIN_QUERIES = 8;
+constexpr int TILE_MIN_QUERIES = 8;
 
 // Off: multi-token items take the row path even where tiles would serve them
 // (set_prefill_tiles, for benchmarks.cpu_prefill_attention's "before" in the same run).
@@ -409,7 +409,7 @@ void run(const Problem& p, const std::vector<WorkItem>& items, const Q* query, Q
       const int kv_head = int(w % p.num_kv_heads);
       if (attend_decode_fast(fast, p, item, kv_head, query, out)) continue;
       if constexpr (std::is_same_v<Q, c10::BFloat16>) {
-        const bool tile_item_here = item.num_queries >= AMX_MIN_QUERIES;
+        const bool tile_item_here = item.num_queries >= TILE_MIN_QUERIES;
 #if defined(CPU_PREFILL_AMX)
         if (tiles == PrefillTiles::kAmx && tile_item_here) {
           if (!tiles_configured) cpu_prefill_amx::configure_tiles();
@@ -727,11 +727,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention over a block-table KV cache, in place (decode and prefill)");
   m.def("store_kv", &store_kv, "New K/V rows into a head-major paged cache at their slots");
   m.def("prefill_tiles", &prefill_tiles_kind,
-        "Which tiles bfloat16 prefill items of >= AMX_MIN_QUERIES tokens take here: amx, "
+        "Which tiles bfloat16 prefill items of >= TILE_MIN_QUERIES tokens take here: amx, "
         "float32 or '' (the row path)");
   m.def("set_prefill_tiles", &set_prefill_tiles,
         "Let bfloat16 prefill items use the tiles (default) or the row path (benchmarks)");
-  m.attr("AMX_MIN_QUERIES") = AMX_MIN_QUERIES;
+  m.attr("TILE_MIN_QUERIES") = TILE_MIN_QUERIES;
   m.attr("QUERY_CHUNK") = QUERY_CHUNK;
   m.def("read_kv_rows", &read_kv_rows,
         "The K/V rows decode attention reads, summed: its memory-only share (benchmarks)");

@@ -117,14 +117,14 @@ def test_prefill_matches_reference(dtype, block_size, head_dim, num_kv_heads, gr
 def test_bf16_prefill_on_tiles_matches_reference(
     block_size, head_dim, num_kv_heads, group_size, requests
 ):
-    """bfloat16 items of >= AMX_MIN_QUERIES query tokens take the prefill tiles where the CPU
+    """bfloat16 items of >= TILE_MIN_QUERIES query tokens take the prefill tiles where the CPU
     has them (cpu_prefill_amx.h: tile products, P rounded to bfloat16; cpu_prefill_f32.h:
     float32 FMAs, on AVX-512 without AVX512-BF16), the rest the row path: both must match the
     reference, and never read an unowned (NaN) slot."""
     ext = cpu_attention.load_extension()
     if not ext.prefill_tiles():
         pytest.skip("no prefill tiles on this CPU (no AMX granted, or AVX512-BF16 without AMX)")
-    assert (ext.AMX_MIN_QUERIES, ext.QUERY_CHUNK) == (8, 16)
+    assert (ext.TILE_MIN_QUERIES, ext.QUERY_CHUNK) == (8, 16)
     args = prefill_case(BF16, block_size, head_dim, num_kv_heads, group_size, requests)
     ref = paged_attention_prefill_ref(*args)
     out = torch.full_like(args[0], float("nan"))
