@@ -157,7 +157,8 @@ def machine() -> dict:
 
 
 def run_benchmark(name: str, out_dir: Path) -> dict:
-    """One benchmark in its own process (its output shown as it runs); its JSON report."""
+    """One benchmark in its own process (its output shown as it runs); its JSON report.
+    RuntimeError, saying how it ended, when it wrote none."""
     path = out_dir / f"{name}.json"
     cmd = [sys.executable, "-m", *BENCHMARKS[name], "--json", str(path)]
     print(f"[aims] {name}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
@@ -194,8 +195,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
         out_dir = args.out or Path("results") / f"aims-{time.strftime('%Y%m%d-%H%M%S')}"
         out_dir.mkdir(parents=True, exist_ok=True)
         report["machine_before"] = machine()
-        reports = {name: run_benchmark(name, out_dir) for name in args.only}
+        reports, failed = {}, {}
+        for name in args.only:  # one benchmark failing loses none of the others' verdicts
+            try:
+                reports[name] = run_benchmark(name, out_dir)
+            except RuntimeError as e:
+                print(f"[aims] {e}", file=sys.stderr, flush=True)
+                failed[name] = str(e)
         report["machine_after"] = machine()
+        if failed:
+            report["failed"] = failed
         report["reports"] = str(out_dir)
     verdicts = judge(AIMS, reports)
     report["aims"] = verdicts

@@ -70,3 +70,15 @@ def test_a_run_end_to_end_and_judged_again_from_its_reports(tmp_path, capsys, mo
     assert report["met"] + len(report["missed"]) == 1
     again = aims.main(["--from", str(tmp_path)])  # the other benchmarks' files are absent
     assert again["aims"] == report["aims"] and again["reports"] == str(tmp_path)
+
+
+def test_a_failing_benchmark_is_reported_and_the_others_still_judged(tmp_path, monkeypatch):
+    if (why := cpu_kernel_status()) is not None:
+        pytest.skip(f"CPU kernel unavailable: {why}")
+    tiny = ["benchmarks.cpu_attention", "--batch", "2", "--context", "20", "--spread", "4",
+            "--layers", "1", "--repeats", "1", "--decoded", "4"]  # fmt: skip
+    monkeypatch.setitem(aims.BENCHMARKS, "attention", tiny)
+    monkeypatch.setitem(aims.BENCHMARKS, "batch1", ["benchmarks.batch1", "--model", "nope:x"])
+    report = aims.main(["--only", "batch1,attention", "--out", str(tmp_path)])
+    assert "batch1" in report["failed"] and "exited" in report["failed"]["batch1"]
+    assert [v["benchmark"] for v in report["aims"]] == ["attention"]
