@@ -111,7 +111,7 @@ quantize: setup
 
 # The CPU aims of the speed and quantization work on this machine, in one run: batch-1 TPOT
 # against its floor and HF, the chat workload against its roofline bound and HF, decode
-# attention against its floor, int8/int4/awq against bf16 (~20 min on 2 cores, + the AWQ
+# attention against its floor, int8/int4/awq against bf16 (~10 min on 2 cores, + the AWQ
 # checkpoint's 3-33 min the first time); prints met / missed per aim.
 bench-aims: setup
 	$(BIN)/python -m benchmarks.aims $(ARGS)

@@ -1,6 +1,6 @@
 """The CPU aims of the speed and quantization work, measured in one run on this machine.
 
-    python -m benchmarks.aims                            # every aim (~20 min on 2 cores)
+    python -m benchmarks.aims                            # every aim (~10 min on 2 cores)
     python -m benchmarks.aims --only batch1,attention    # some of the benchmarks
     python -m benchmarks.aims --from results/aims-...    # judge a finished run's JSON again
     make bench-aims
