@@ -46,10 +46,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "quant": ["benchmarks.quant", "--formats", "none,int8,int4,awq", "--rounds", "5"],
     "perplexity": ["benchmarks.perplexity", "--vary", "quantization=none,int8,int4,awq"],
 }
-BATCH1_RUN = "ours prepack_weights=true"
-REPO_ROOT = (
-    Path(__file__).resolve().parents[1]
-)  # where `python -m benchmarks.X` finds them  # benchmarks.batch1's name for the --vary run above
+BATCH1_RUN = "ours prepack_weights=true"  # benchmarks.batch1's name for the --vary run above
+REPO_ROOT = Path(__file__).resolve().parents[1]  # where `python -m benchmarks.X` finds them
 
 
 def _quant_run(report: dict, fmt: str) -> dict:
