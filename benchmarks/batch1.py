@@ -16,8 +16,8 @@ after the first) and TTFT. Engines, in this order, each built afresh in this pro
 - Hugging Face transformers `generate` on the same weights and dtype (one request at a time).
 The floor: a decode step reads every weight it multiplies by once (the cost model's bytes per
 step, engine/telemetry/cost.py), so TPOT >= those bytes / bandwidth, with the bandwidth
-measured at the start of the run (engine/telemetry/ceilings.py; --cached-ceilings takes the
-cached one). Printed as JSON: each engine's
+measured at the start of the run and again at its end, the higher one (engine/telemetry/
+ceilings.py; --cached-ceilings takes the cached one). Printed as JSON: each engine's
 TPOT over the floor and over the baseline's TPOT, and whether its tokens equal the baseline's.
 Timings are noisy when other processes share the cores: the load average is reported.
 `--decode-step-ab N`: the one-call C++ decode step (engine/runner/models/decode_step.py) on and
@@ -43,6 +43,7 @@ from benchmarks.common import (
     bench_parser,
     config_report,
     emit,
+    end_of_run_ceilings,
     parse_vary,
     run_ceilings,
     vary_configs,
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_hf and source.weights_dir is not None:
         dtype = getattr(torch, base["dtype"])
         runs["hf generate"] = run_hf(source.weights_dir, dtype, prompts, args.output_len)
+    ceilings = end_of_run_ceilings(args, config.device)  # the best of before and after
     bandwidth = ceilings.bandwidth_bytes_per_s
     base_tokens = base["token_ids"]
     for run in runs.values():

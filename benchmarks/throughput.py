@@ -10,8 +10,8 @@ each batch runs until its longest request is done), (d) Hugging Face's own conti
 sized to hold the whole workload and its token budget per step set to ours. Every request has
 an exact output length (ignore_eos), greedy. Each engine gets one warm-up request first, and
 start-up (model load, cache allocation) is outside the timed window. Prints JSON: output tokens/s, TTFT and TPOT p50/p99, and the ratios.
-The roofline bound divides by the device ceilings measured at the start of the run
-(--cached-ceilings: the cached ones).
+The roofline bound divides by the device ceilings measured at the start of the run and again
+right after each of our engine's runs, each ceiling's best (--cached-ceilings: the cached ones).
 Arrivals: all requests are submitted at t=0, so TTFT includes queueing behind earlier work.
 """
 
@@ -28,7 +28,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_ceilings_flag, bench_parser, config_report, emit, run_ceilings
+from benchmarks.common import (
+    add_ceilings_flag,
+    bench_parser,
+    config_report,
+    emit,
+    end_of_run_ceilings,
+    run_ceilings,
+)
 from engine.cli import config_from_args
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -84,8 +91,11 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def run_ours(config: EngineConfig, workload: Workload) -> tuple[dict, Path | None, str]:
-    """One run of our engine; also returns the weights folder and the resolved dtype (for HF)."""
+def run_ours(
+    config: EngineConfig, workload: Workload, args: argparse.Namespace
+) -> tuple[dict, Path | None, str]:
+    """One run of our engine; also returns the weights folder and the resolved dtype (for HF).
+    Its roofline bound divides by the best of the ceilings measured before and after it."""
     # Every step of the run is kept (the ring buffer's default 2,048 can be too few) for the
     # roofline bound below.
     config = config.replace(step_history_len=max(config.step_history_len, STEPS_KEPT))
@@ -110,6 +120,7 @@ def run_ours(config: EngineConfig, workload: Workload) -> tuple[dict, Path | Non
     if len(steps) == llm.engine.num_steps - first_step:
         # The compute roof of what the matmuls multiply ("int8" with int8 activations).
         roof = llm.engine.runner.matmul_dtype
+        end_of_run_ceilings(args, config.device)  # roofline_report reads them from the cache
         result["roofline"] = roofline_report(steps, str(llm.engine.runner.device), roof, duration)
     del llm
     gc.collect()
@@ -287,13 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     config = config_from_args(args, batching="continuous")
-    run_ceilings(args, config.device)  # measured now (the roofline report reads them back)
+    run_ceilings(args, config.device)  # measured now, and again after each of our runs
     results = {}
     workload = make_workload(args, _vocab_size(config.model))
-    results["continuous"], weights_dir, dtype = run_ours(config, workload)
+    results["continuous"], weights_dir, dtype = run_ours(config, workload, args)
     if "static" not in args.skip:
         static = config.replace(batching="static", max_num_seqs=args.static_batch)
-        results["static"], _, _ = run_ours(static, workload)
+        results["static"], _, _ = run_ours(static, workload, args)
     if "hf" not in args.skip and weights_dir is not None:
         results["hf_static"] = run_hf(args, workload, weights_dir, dtype)
     if "hf_continuous" not in args.skip and weights_dir is not None:

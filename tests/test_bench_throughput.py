@@ -17,6 +17,8 @@ def test_bench_throughput_reports_the_roofline_bound(tmp_path, capsys, monkeypat
                          measured=False, source="test")  # fmt: skip
     monkeypatch.setattr(throughput, "get_ceilings", lambda device: toy)
     monkeypatch.setattr(common, "get_ceilings", lambda device, refresh=False: toy)
+    monkeypatch.setattr(common, "measure_ceilings", lambda device: toy)  # the end-of-run one
+    monkeypatch.setattr(common, "remember_ceilings", lambda ceilings, device: None)
     out = tmp_path / "bench.json"
     argv = ["--model", "random:tiny", "--dtype", "float32", "--num-requests", "6",
             "--prompt-len", "4", "24", "--output-len", "2", "9", "--skip", "hf",
@@ -67,6 +69,8 @@ def test_bench_throughput_runs_hf_continuous_batching(tiny_hf_folder, monkeypatc
                          measured=False, source="test")  # fmt: skip
     monkeypatch.setattr(throughput, "get_ceilings", lambda device: toy)
     monkeypatch.setattr(common, "get_ceilings", lambda device, refresh=False: toy)
+    monkeypatch.setattr(common, "measure_ceilings", lambda device: toy)  # the end-of-run one
+    monkeypatch.setattr(common, "remember_ceilings", lambda ceilings, device: None)
     argv = ["--model", str(tiny_hf_folder), "--dtype", "float32", "--num-requests", "5",
             "--prompt-len", "260", "300", "--output-len", "2", "9", "--skip", "static", "hf"]  # fmt: skip
     report = throughput.main(argv)
@@ -83,3 +87,25 @@ def test_bench_throughput_runs_hf_continuous_batching(tiny_hf_folder, monkeypatc
     )
     fraction = report["results"]["continuous"]["roofline"]["fraction_of_bound"]
     assert judged["chat workload, fraction of its roofline bound"] == fraction
+
+
+def test_the_bound_divides_by_the_best_of_the_ceilings_before_and_after(monkeypatch):
+    """A roof measured while the host was slow would put steps above it: the end-of-run
+    measurement is kept where it is higher, ceiling by ceiling, and cached for the report."""
+    import argparse
+
+    start = DeviceCeilings(name="toy", peak_flops_per_s={"float32": 4e9, "bfloat16": 1e9},
+                           bandwidth_bytes_per_s=1e9, measured=True, source="start")  # fmt: skip
+    end = DeviceCeilings(name="toy", peak_flops_per_s={"float32": 2e9, "bfloat16": 3e9},
+                         bandwidth_bytes_per_s=5e9, measured=True, source="end")  # fmt: skip
+    remembered = []
+    monkeypatch.setattr(common, "get_ceilings", lambda device, refresh=False: start)
+    monkeypatch.setattr(common, "measure_ceilings", lambda device: end)
+    monkeypatch.setattr(common, "remember_ceilings", lambda c, device: remembered.append(c))
+    best = common.end_of_run_ceilings(argparse.Namespace(cached_ceilings=False), "cpu")
+    assert best.peak_flops_per_s == {"bfloat16": 3e9, "float32": 4e9}
+    assert best.bandwidth_bytes_per_s == 5e9 and "best of 2 runs" in best.source
+    assert remembered == [best]
+    # --cached-ceilings: the cached roof as it is, nothing measured.
+    monkeypatch.setattr(common, "measure_ceilings", lambda device: pytest.fail("measured"))
+    assert common.end_of_run_ceilings(argparse.Namespace(cached_ceilings=True), "cpu") is start

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -308,6 +308,26 @@ def measure_ceilings(device: str = "cpu", dtypes: Sequence[str] = DTYPES) -> Dev
             f"write) and square matmuls, best of repeats, {time.perf_counter() - t0:.1f} s"
         ),
     )
+
+
+def best_of_runs(runs: Sequence[DeviceCeilings], measured_at: str) -> DeviceCeilings:
+    """Each ceiling's best over the runs (anything else on the machine only lowers one), with
+    the date and the spread ((best - worst) / best) written into its source."""
+    keys = {k for r in runs for k in r.peak_flops_per_s}
+    peaks = {k: max(r.peak_flops_per_s.get(k, 0.0) for r in runs) for k in sorted(keys)}
+    bandwidth = max(r.bandwidth_bytes_per_s for r in runs)
+
+    def spread(values: list[float]) -> str:
+        return f"±{(max(values) - min(values)) / max(values):.0%}" if max(values) > 0 else "n/a"
+
+    # The bf16 peak's spread where every run has one (a float32-only roof has none).
+    bf16 = [r.peak_flops_per_s.get("bfloat16", 0.0) for r in runs]
+    bf16_spread = f", bf16 peak {spread(bf16)}" if all(bf16) else ""
+    source = (
+        f"measured {measured_at}, best of {len(runs)} runs (spread: bandwidth "
+        f"{spread([r.bandwidth_bytes_per_s for r in runs])}{bf16_spread}); {runs[-1].source}"
+    )
+    return replace(runs[-1], peak_flops_per_s=peaks, bandwidth_bytes_per_s=bandwidth, source=source)
 
 
 # --------------------------------------------------------------------------------------------

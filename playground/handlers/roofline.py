@@ -6,7 +6,6 @@ from __future__ import annotations
 import statistics
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from datetime import UTC, datetime
 
 import plotly.graph_objects as go
@@ -14,6 +13,7 @@ import plotly.graph_objects as go
 from engine.telemetry.ceilings import (
     PRESETS,
     DeviceCeilings,
+    best_of_runs,
     get_ceilings,
     measure_ceilings,
     remember_ceilings,
@@ -41,24 +41,6 @@ MEASURE_REPEATS = 3  # a re-measure keeps the best of these: a busy CPU only eve
 
 def roof_choices() -> list[str]:
     return [MEASURED, *PRESETS]
-
-
-def best_of(runs: Sequence[DeviceCeilings], measured_at: str) -> DeviceCeilings:
-    """Each ceiling's best over the runs (anything else on the machine only lowers one), with
-    the date and the spread ((best - worst) / best) written into its source."""
-    peaks = {k: max(r.peak_flops_per_s[k] for r in runs) for k in runs[0].peak_flops_per_s}
-    bandwidth = max(r.bandwidth_bytes_per_s for r in runs)
-
-    def spread(values: list[float]) -> str:
-        return f"±{(max(values) - min(values)) / max(values):.0%}"
-
-    bf16 = [r.peak_flops_per_s.get("bfloat16", 0.0) for r in runs]
-    source = (
-        f"measured {measured_at}, best of {len(runs)} runs (spread: bandwidth "
-        f"{spread([r.bandwidth_bytes_per_s for r in runs])}, bf16 peak {spread(bf16)}); "
-        f"{runs[0].source}"
-    )
-    return replace(runs[0], peak_flops_per_s=peaks, bandwidth_bytes_per_s=bandwidth, source=source)
 
 
 def is_better(new: DeviceCeilings, old: DeviceCeilings) -> bool:
@@ -103,7 +85,7 @@ class CeilingsProvider:
             if on_progress is not None:
                 on_progress(i, repeats)
             runs.append(self._measure(self.device))
-        new = best_of(runs, datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
+        new = best_of_runs(runs, datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
         old = self.measured()
         with self._lock:
             if is_better(new, old):
