@@ -21,7 +21,7 @@ from engine.config import (
     EngineConfig,
 )
 from engine.runner.attention.base import AttentionBackend
-from engine.runner.host_memory import place_weights_in_huge_pages, trim_heap
+from engine.runner.host_memory import keep_freed_memory, place_weights_in_huge_pages, trim_heap
 from engine.runner.model_loader import ModelSource, iter_safetensors
 from engine.runner.models.layer_ops import CpuFusedOps, TorchOps
 from engine.runner.models.llama import LlamaForCausalLM
@@ -116,7 +116,8 @@ def finish_weights(
 ) -> FinishedWeights:
     """A load's last steps, the same for the target and the draft model, in this order: the
     16-bit linears packed for oneDNN (prepack.py; prepack_weights), the CPU weights moved into
-    huge pages (host_memory.py; huge_pages), the C heap's freed pages returned to the OS,
+    huge pages (host_memory.py; huge_pages), the C heap's freed pages returned to the OS (and
+    from then on a step's freed temporaries kept for the next step),
     then, the tensors final, the quantized layers' few-row calls re-bound and the decoder's
     direct kernel calls bound (not with enforce_eager). `kernels`: the C++ ops module when the
     model runs it."""
@@ -134,6 +135,7 @@ def finish_weights(
             module.rebind_few_rows()
     if device.type == "cpu":
         trim_heap()  # the freed source weights and moved copies, back to the OS
+        keep_freed_memory()  # but each step's temporaries stay for the next step
     if not config.enforce_eager:
         model.bind_few_row_calls()
     return FinishedWeights(packed, moved)
