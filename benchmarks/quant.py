@@ -9,13 +9,15 @@ awq runs the embedded model's AutoAWQ checkpoint at --quantization-group-size (e
 made once, 3-33 minutes measured on 2 CPU cores, if `make quantize` has not made it yet).
 
 Every format's engine is built (same model, same seed; all loaded at once, each with its own KV
-cache), then timed in --rounds rounds that take the formats in turn (medians reported, each
-round's values listed). Measured four ways:
+cache), then timed in --rounds rounds (medians reported, each round's values listed) in which
+the engines take their steps in turn, one step each (steps_in_turn): a shared host's drift
+within seconds lands on every format alike. Times are the engines' own step durations.
+Measured four ways:
 - weight bytes: the weights as stored (quantized values + scales + zeros; the embedding and the
   norms stay 16-bit), and the bytes the cost model says one step reads;
-- batch-1 TPOT: 3 prompts sent one at a time, median of their time per output token;
-- batch-64 decode: 64 requests at once, output tokens per second over the steps that only
-  decoded all 64 (prefill excluded);
+- batch-1 TPOT: 3 prompts, one at a time per engine, the median of their decode steps;
+- batch-64 decode: 64 requests at once, output tokens per second of the median step among
+  those that decoded all 64 (prefill excluded);
 - greedy agreement with "none": for a fixed set of text prompts, the fraction of output
   positions whose greedy token equals the unquantized model's (a position after a divergence
   continues from a different prefix, so this also counts the divergence's consequences), and
@@ -31,13 +33,14 @@ import gc
 import random
 import statistics
 import sys
-import time
+from dataclasses import dataclass
 
 from benchmarks.common import bench_parser, config_report, emit
 from engine.cli import config_from_args
 from engine.config import ANY_ROWS, EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
+from engine.telemetry.stats import StepStats
 
 # "+a8": the same weights with int8_activations (W8A8 / W4A8 from a few rows, CPUs with
 # AVX512-VNNI).
@@ -81,24 +84,79 @@ def load(config: EngineConfig, prompt_len: int) -> tuple[LLM, list[list[int]]]:
     return llm, batch
 
 
-def time_round(llm: LLM, batch: list[list[int]], output_len: int) -> dict:
-    """One timing round: batch-1 TPOT (median of 3 requests) and batch-64 decode."""
+# Steps each engine takes in a row at batch 64 before the next one takes its turn: a turn's
+# first step is not timed (steps_in_turn), so the longer the turns the fewer steps are timed;
+# the shorter, the less a drifting host can favour one format (turns of 8, a cycle of 4
+# formats in ~2.6 s, left per-round ratios between 0.91 and 1.05; of 3, ~1 s).
+BATCH64_STEPS_PER_TURN = 3
+
+
+@dataclass
+class Turns:
+    steps: list[StepStats]  # every step the engine took
+    warm: list[StepStats]  # those that did not open a turn
+
+
+def steps_in_turn(engines: list[LLM], prompts: list[list[list[int]]], params: SamplingParams,
+                  steps_per_turn: int) -> list[Turns]:  # fmt: skip
+    """Engine i's prompts[i] added at once, then the engines take turns of `steps_per_turn`
+    steps each until every request is done. A host whose speed drifts within seconds (a shared
+    cloud CPU: one bf16 batch ran at 801 then 589 tok/s two rounds later) slows every format's
+    steps alike this way, where batches run one after another got whichever moment was theirs
+    (per-round ratios to bf16 moved from 0.77 to 1.35). A turn's first step finds the caches
+    full of the other engines' weights, so it is left out of `warm`: interleaved one step each,
+    an int4 engine's batch-1 step took 4.6-4.8 ms against 3.9-4.0 ms alone (its 75 MB of
+    weights stay in this host's L3 from step to step), and batch-64 steps ~15 % longer."""
+    firsts = [llm.engine.num_steps for llm in engines]
+    for llm, batch in zip(engines, prompts, strict=True):
+        for prompt in batch:
+            llm.engine.add(llm.engine.make_request(prompt, params))
+    opened: list[set[int]] = [set() for _ in engines]
+    while busy := [i for i, llm in enumerate(engines) if llm.engine.has_unfinished()]:
+        for i in busy:
+            engine = engines[i].engine
+            opened[i].add(engine.num_steps)
+            for _ in range(steps_per_turn):
+                if not engine.has_unfinished():
+                    break
+                steps = engine.num_steps
+                if not engine.step() and engine.num_steps == steps:
+                    raise RuntimeError("engine: requests are left but none can be scheduled")
+    turns = []
+    for llm, first, cold in zip(engines, firsts, opened, strict=True):
+        steps = [s for s in llm.stats().steps if s.step_index >= first]
+        turns.append(Turns(steps, [s for s in steps if s.step_index not in cold]))
+    return turns
+
+
+def time_round(engines: list[tuple[LLM, list[list[int]]]], output_len: int) -> list[dict]:
+    """One timing round, the formats' engines taking turns (steps_in_turn): batch-1 TPOT (3
+    requests, each engine running one to its end per turn, the prompt's step warming the
+    caches) and batch-64 decode (turns of BATCH64_STEPS_PER_TURN). Both from the median of the
+    engine's own warm step durations (schedule to update, model included): one step that the
+    host stalls for 50 ms would move a mean of ~100 batch-1 steps by 10 %."""
+    llms = [llm for llm, _ in engines]
     greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    tpots = [llm.generate([p], greedy)[0].metrics.tpot_s for p in batch[:3]]
-    first_step = llm.engine.num_steps
-    start = time.perf_counter()
-    llm.generate(batch, greedy)
-    batch_s = time.perf_counter() - start
-    steps = [s for s in llm.stats().steps if s.step_index >= first_step]
-    full = [s for s in steps if s.kind == "decode" and s.num_decode_reqs == BATCH_SIZE]
-    return {
-        "batch1_tpot_ms": statistics.median(tpots) * 1e3,
-        "batch64_decode_tokens_per_s": (
-            sum(s.num_decode_tokens for s in full) / sum(s.duration_s for s in full)
-        ),
-        "batch64_decode_steps": len(full),
-        "batch64_output_tokens_per_s": BATCH_SIZE * output_len / batch_s,
-    }
+    batch1: list[list[float]] = [[] for _ in engines]
+    whole_request = output_len + 1  # its prompt's step and every decode step
+    for i in range(3):
+        turns = steps_in_turn(llms, [[batch[i]] for _, batch in engines], greedy, whole_request)
+        for durations, own in zip(batch1, turns, strict=True):
+            durations += [s.duration_s for s in own.warm if s.kind == "decode"]
+    batch64 = steps_in_turn(llms, [batch for _, batch in engines], greedy, BATCH64_STEPS_PER_TURN)
+    rounds = []
+    for durations, own in zip(batch1, batch64, strict=True):
+        full = [s for s in own.warm if s.kind == "decode" and s.num_decode_reqs == BATCH_SIZE]
+        rounds.append({
+            "batch1_tpot_ms": statistics.median(durations) * 1e3,
+            "batch64_decode_tokens_per_s": BATCH_SIZE / statistics.median(
+                s.duration_s for s in full
+            ),
+            "batch64_decode_steps": len(full),
+            "batch64_output_tokens_per_s": BATCH_SIZE * output_len
+            / sum(s.duration_s for s in own.steps),
+        })  # fmt: skip
+    return rounds
 
 
 def dequant_rows(rows: int) -> int | str:
@@ -187,15 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Every format's engine at once, then timing rounds that take the formats in turn: the
-    # host's speed drifts by 15-25 % over minutes, and run one after the other, the formats
-    # measured later got whatever the host was doing then.
+    # Every format's engine at once, then timing rounds in which the engines take their steps
+    # in turn (steps_in_turn): the host's speed drifts by 15-25 % within minutes, and run one
+    # after the other, the formats measured later got whatever the host was doing then.
     configs = [config.replace(**format_fields(f)) for f in formats]
     engines = [load(c, args.prompt_len) for c in configs]
     rounds: list[list[dict]] = [[] for _ in formats]
     for _ in range(args.rounds):
-        for (llm, batch), results in zip(engines, rounds, strict=True):
-            results.append(time_round(llm, batch, args.output_len))
+        for results, measured in zip(rounds, time_round(engines, args.output_len), strict=True):
+            results.append(measured)
     runs = [
         describe(llm, c, r, args.output_len)
         for (llm, _), c, r in zip(engines, configs, rounds, strict=True)

@@ -55,3 +55,23 @@ def test_crossover_reports_every_path_and_the_rule(capsys):
     rows = [{"rows": m, "layer_int8_dequant_us": d, "layer_int8_kernel_us": k}
             for m, d, k in ((1, 5, 1), (64, 1, 2), (96, 3, 2), (128, 1, 2))]  # fmt: skip
     assert quant_crossover.crossover_rows(rows, "int8") == 128  # a lone win at 64 does not count
+
+
+def test_the_formats_engines_take_their_steps_in_turn():
+    """A shared host's drift within seconds must land on every format alike: the engines take
+    turns of a few steps, each running its own requests to the end, and a turn's first step
+    (its caches cold from the other engine's weights) is not among the warm ones timed."""
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+
+    engines = [LLM("random:tiny", dtype="float32", max_num_seqs=4) for _ in range(2)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[[5, 6, 7]] * 2, [[8, 9, 10, 11]] * 3]
+    turns = bench_quant.steps_in_turn(engines, prompts, params, steps_per_turn=2)
+    assert [sum(s.num_decode_tokens for s in t.steps) for t in turns] == [2 * 5, 3 * 5]
+    assert [len(t.steps) for t in turns] == [6, 6]  # a prompt step, then 5 decode steps
+    order = [e for _, e in sorted((s.start_time, e) for e, t in enumerate(turns) for s in t.steps)]
+    assert order == [0, 0, 1, 1] * 3
+    for t in turns:
+        assert [s.step_index for s in t.warm] == [s.step_index for s in t.steps[1::2]]
+    assert not any(llm.engine.has_unfinished() for llm in engines)
