@@ -147,6 +147,9 @@ def time_round(engines: list[tuple[LLM, list[list[int]]]], output_len: int) -> l
     rounds = []
     for durations, own in zip(batch1, batch64, strict=True):
         full = [s for s in own.warm if s.kind == "decode" and s.num_decode_reqs == BATCH_SIZE]
+        if not full or not durations:
+            raise ValueError(f"--output-len {output_len}: no warm decode step left to time "
+                             "(a turn's first step is not timed); ask for more tokens")  # fmt: skip
         rounds.append({
             "batch1_tpot_ms": statistics.median(durations) * 1e3,
             "batch64_decode_tokens_per_s": BATCH_SIZE / statistics.median(
@@ -252,8 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     engines = [load(c, args.prompt_len) for c in configs]
     rounds: list[list[dict]] = [[] for _ in formats]
     for _ in range(args.rounds):
-        for results, measured in zip(rounds, time_round(engines, args.output_len), strict=True):
-            results.append(measured)
+        try:
+            measured = time_round(engines, args.output_len)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for results, result in zip(rounds, measured, strict=True):
+            results.append(result)
     runs = [
         describe(llm, c, r, args.output_len)
         for (llm, _), c, r in zip(engines, configs, rounds, strict=True)

@@ -38,6 +38,13 @@ def test_bench_quant_reports_each_format_against_none(tmp_path, capsys):
     assert judged["awq batch-1 TPOT over bf16's"] is None  # not run here
 
 
+def test_too_few_tokens_to_time_is_an_error_not_a_crash(capsys):
+    argv = ["--model", "random:tiny", "--dtype", "float32", "--output-len", "1",
+            "--formats", "none", "--rounds", "1"]  # fmt: skip
+    assert bench_quant.main(argv) == 2
+    assert "--output-len 1: no warm decode step" in capsys.readouterr().err
+
+
 def test_formats_are_checked(capsys):
     assert bench_quant.main(["--model", "random:tiny", "--formats", "none,int3"]) == 2
     assert "--formats" in capsys.readouterr().err
