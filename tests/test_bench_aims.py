@@ -82,3 +82,29 @@ def test_a_failing_benchmark_is_reported_and_the_others_still_judged(tmp_path, m
     report = aims.main(["--only", "batch1,attention", "--out", str(tmp_path)])
     assert "batch1" in report["failed"] and "exited" in report["failed"]["batch1"]
     assert [v["benchmark"] for v in report["aims"]] == ["attention"]
+
+
+def test_several_finished_runs_say_in_how_many_each_aim_was_met(tmp_path, capsys):
+    """An aim on its bound crosses it from run to run on a shared host: --from with several
+    runs lists each aim's values and in how many of the runs that measured it it was met."""
+
+    def write(folder: str, attention: float, chat: float | None) -> str:
+        run = tmp_path / folder
+        run.mkdir()
+        (run / "attention.json").write_text(json.dumps({"cpu_kernel_over_floor": attention}))
+        if chat is not None:
+            report = {"results": {"continuous": {"roofline": {"fraction_of_bound": chat}}},
+                      "ratios": {"continuous_vs_hf_continuous": 12.0}}  # fmt: skip
+            (run / "chat.json").write_text(json.dumps(report))
+        return str(run)
+
+    runs = [write("a", 1.43, 0.64), write("b", 1.72, None), write("c", 1.45, 0.55)]
+    report = aims.main(["--from", *runs])
+    assert report == json.loads(capsys.readouterr().out)
+    rows = {r["aim"]: r for r in report["across_runs"]}
+    attention = rows["batch-64 decode attention over its KV-read floor (blocks anywhere)"]
+    assert attention["values"] == [1.43, 1.72, 1.45] and attention["met_in"] == "2 of 3"
+    chat = rows["chat workload, fraction of its roofline bound"]
+    assert chat["values"] == [0.64, 0.55] and chat["met_in"] == "1 of 2"  # b ran no chat
+    assert rows["chat workload, ours over Hugging Face continuous batching"]["met_in"] == "2 of 2"
+    assert report["met_in_every_run"] == 1 and report["reports"] == runs
