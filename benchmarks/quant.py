@@ -10,9 +10,10 @@ made once, 3-33 minutes measured on 2 CPU cores, if `make quantize` has not made
 
 Every format's engine is built (same model, same seed; all loaded at once, each with its own KV
 cache), then timed in --rounds rounds (medians reported, each round's values listed) in which
-the engines take their steps in turn, one step each (steps_in_turn): a shared host's drift
-within seconds lands on every format alike. Times are the engines' own step durations.
-Measured four ways:
+the engines take turns (steps_in_turn: BATCH64_STEPS_PER_TURN steps each at batch 64, a whole
+request each at batch 1), so a shared host's drift within seconds lands on every format alike.
+A turn's first step is not timed (the other engines' weights fill the caches); times are the
+engines' own step durations. Measured four ways:
 - weight bytes: the weights as stored (quantized values + scales + zeros; the embedding and the
   norms stay 16-bit), and the bytes the cost model says one step reads;
 - batch-1 TPOT: 3 prompts, one at a time per engine, the median of their decode steps;
