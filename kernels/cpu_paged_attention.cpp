@@ -46,6 +46,13 @@ using namespace cpu_simd;  // f32x16 & co., load_vec, hsum, to_float (cpu_simd.h
 // (Plain loops with 16 accumulators were left scalar by GCC 12: hence the vector types.)
 constexpr int QUERY_CHUNK = 16;  // query tokens per work item (prefill); decode has 1
 constexpr int CACHE_LINE = 64;   // bytes
+// Keys per pass of the decode path (read_kv_rows reads in its order): a span's K rows, then
+// its V rows.
+#if defined(CPU_BF16_PAIRS)
+constexpr int DECODE_SPAN_KEYS = cpu_decode_bf16::SPAN_KEYS;
+#else
+constexpr int DECODE_SPAN_KEYS = 1;  // the generic path: a block's K rows, then its V rows
+#endif
 
 // All 256 float8_e4m3fn values as float32: a table lookup beats the bit manipulation.
 const float* fp8_table() {
@@ -671,24 +678,25 @@ int64_t read_kv_rows(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor
       prefetch_first_blocks(heads_rows[i], views[i]->block_stride * element,
                             views[i]->token_stride * element, row_bytes, table, bs, ctx);
     }
-    for (int start = 0; start < ctx; start += bs) {
-      const int n = std::min(bs, ctx - start);
-      RowsAhead ahead[2];
+    // Per span of keys (whole blocks), K's rows and then V's, each requesting its own rows
+    // ahead, as the decode kernel's two passes do.
+    const int span = std::max(1, DECODE_SPAN_KEYS / bs) * bs;
+    for (int span_start = 0; span_start < ctx; span_start += span) {
+      const int span_end = std::min(ctx, span_start + span);
       for (int i = 0; i < 2; ++i) {
-        ahead[i] = rows_ahead(heads_rows[i], views[i]->block_stride * element,
-                              views[i]->token_stride * element, row_bytes, table, bs, ctx, start);
-      }
-      for (int i = 0; i < 2; ++i) {  // K's rows (requesting K's and V's ahead), then V's
         const CacheView* c = views[i];
-        const char* base = heads_rows[i] + table[start / bs] * c->block_stride * element;
-        for (int t = 0; t < n; ++t) {
-          if (i == 0) {
-            ahead[0].at(t);
-            ahead[1].at(t);
-          }
-          const char* row = base + t * c->token_stride * element;
-          for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
-            acc += load_vec<u32x16>(row + line);
+        for (int start = span_start; start < span_end; start += bs) {
+          const int n = std::min(bs, span_end - start);
+          const RowsAhead ahead =
+              rows_ahead(heads_rows[i], c->block_stride * element, c->token_stride * element,
+                         row_bytes, table, bs, ctx, start);
+          const char* base = heads_rows[i] + table[start / bs] * c->block_stride * element;
+          for (int t = 0; t < n; ++t) {
+            ahead.at(t);
+            const char* row = base + t * c->token_stride * element;
+            for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
+              acc += load_vec<u32x16>(row + line);
+            }
           }
         }
       }

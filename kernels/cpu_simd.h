@@ -332,11 +332,13 @@ __attribute__((always_inline)) inline RowsAhead rows_ahead(const char* head, int
                     start / block_size + PREFETCH_BLOCKS);
 }
 
-// Blocks 1 .. PREFETCH_BLOCKS - 1 of a sequence, at its start (rows_ahead covers the rest).
+// Blocks 0 .. PREFETCH_BLOCKS - 1 of a sequence, at its start (rows_ahead covers the rest).
+// Block 0 too: the decode kernel reads V's first rows only after a span of keys, too late for
+// a demand load to start then.
 __attribute__((always_inline)) inline void prefetch_first_blocks(
     const char* head, int64_t block_bytes, int64_t token_bytes, int64_t row_bytes,
     const int32_t* table, int block_size, int ctx) {
-  for (int index = 1; index < PREFETCH_BLOCKS; ++index) {
+  for (int index = 0; index < PREFETCH_BLOCKS; ++index) {
     const RowsAhead block =
         block_rows(head, block_bytes, token_bytes, row_bytes, table, block_size, ctx, index);
     for (int t = 0; t < block.rows; ++t) block.at(t);

@@ -242,13 +242,18 @@ def test_store_kv_writes_what_the_torch_store_writes(dtype):
 
 def test_read_kv_rows_reads_exactly_the_rows_decode_attention_reads():
     """The benchmark's memory-only probe: every visible K/V row once, no unowned slot (each
-    32-bit word of a visible row holds 1, every other word 1000, so the sum counts words)."""
+    32-bit word of a visible row holds 1, every other word 1000, so the sum counts words).
+    The 150-token sequence spans two of the decode kernel's 128-key passes."""
     from kernels.cpu_attention import load_extension
 
-    num_blocks, bs, heads, dim = 12, 16, 3, 64
+    num_blocks, bs, heads, dim = 22, 16, 3, 64
     words = torch.full((num_blocks, bs, heads, dim // 2), 1000, dtype=torch.int32)
-    seq_lens = torch.tensor([1, 17, 40, 0], dtype=torch.int32)
-    tables = torch.tensor([[5, 0, 0], [2, 9, 0], [7, 1, 11], [0, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([1, 17, 40, 0, 150], dtype=torch.int32)
+    tables = torch.tensor(
+        [[5, 0, 0] + [0] * 7, [2, 9, 0] + [0] * 7, [7, 1, 11] + [0] * 7, [0] * 10,
+         [21, 12, 3, 20, 13, 4, 19, 14, 6, 18]],
+        dtype=torch.int32,
+    )  # fmt: skip
     for table, n in zip(tables.tolist(), seq_lens.tolist(), strict=True):
         for position in range(n):
             words[table[position // bs], position % bs] = 1
