@@ -41,7 +41,7 @@ def measure(config: EngineConfig, prompt: list[int], args: argparse.Namespace, s
     peak_blocks, outputs = 0, {}
     first_step, start = engine.num_steps, time.perf_counter()
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step_or_raise():
             if out.finished:
                 outputs[(out.request_id, out.index)] = out.token_ids
         peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)

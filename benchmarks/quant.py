@@ -120,9 +120,7 @@ def steps_in_turn(engines: list[LLM], prompts: list[list[list[int]]], params: Sa
             for _ in range(steps_per_turn):
                 if not engine.has_unfinished():
                     break
-                steps = engine.num_steps
-                if not engine.step() and engine.num_steps == steps:
-                    raise RuntimeError("engine: requests are left but none can be scheduled")
+                engine.step_or_raise()
     turns = []
     for llm, first, cold in zip(engines, firsts, opened, strict=True):
         steps = [s for s in llm.stats().steps if s.step_index >= first]

@@ -46,12 +46,7 @@ class LLM:
         results: dict[tuple[str, int], RequestOutput] = {}
         try:
             while self.engine.has_unfinished():
-                num_steps = self.engine.num_steps
-                outputs = self.engine.step()
-                if not outputs and self.engine.num_steps == num_steps:
-                    # Work left but none schedulable: raising beats looping forever.
-                    raise RuntimeError("engine: requests are left but none can be scheduled")
-                for out in outputs:
+                for out in self.engine.step_or_raise():  # raising beats looping forever
                     if out.finished:
                         results[(out.request_id, out.index)] = out
         except BaseException:

@@ -132,6 +132,23 @@ def test_llm_generate_raises_instead_of_hanging_when_nothing_is_schedulable(tiny
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_step_or_raise_steps_until_stuck_then_raises(tiny_llm, monkeypatch):
+    """The loop LLM.generate and the benchmarks share: ordinary steps pass through; a step
+    that schedules nothing while a request waits raises instead of returning [] forever."""
+    engine = tiny_llm.engine
+    request = engine.make_request([1, 2, 3], GREEDY)
+    engine.add(request)
+    assert engine.step_or_raise() is not None  # the prompt's step: scheduled, no error
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda *a, **k: SchedulerOutput())
+    with pytest.raises(RuntimeError, match="none can be scheduled"):
+        engine.step_or_raise()
+    monkeypatch.undo()
+    while engine.has_unfinished():  # the request was left as it was: it runs to its end
+        engine.step_or_raise()
+    stats = tiny_llm.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 def test_service_loop_does_not_spin_when_nothing_is_schedulable():
     with EngineService(EngineConfig(**TINY)) as svc:
         real = svc.engine.scheduler.schedule

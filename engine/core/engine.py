@@ -350,6 +350,16 @@ class LLMEngine:
                                   result.draft_passes)  # fmt: skip
         return self._mark_request_finished(outputs)
 
+    def step_or_raise(self) -> list[RequestOutput]:
+        """step() for callers that run requests to the end in their own thread (LLM.generate,
+        benchmarks): raises RuntimeError when requests are left but the step scheduled none, as
+        stepping again would change nothing. (The server's loop waits for a submit instead.)"""
+        num_steps = self.num_steps
+        outputs = self.step()
+        if not outputs and self.num_steps == num_steps and self.has_unfinished():
+            raise RuntimeError("engine: requests are left but none can be scheduled")
+        return outputs
+
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """The forward pass raised: fail every request of the step with the error and carry on.
 
