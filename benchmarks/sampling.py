@@ -7,13 +7,17 @@ Greedy rows: the LM head's bfloat16 logits, argmax through the engine's CPU laye
 op over the 16-bit rows) against widening them to float32 and torch.argmax. Sampled rows: the
 plain way (as the engine did until 2026-12-05, and as a first torch version is written):
 softmax, a full descending sort of every row when a top-k / top-p filters, then torch.multinomial per row
-with the request's generator. The engine's (engine/runner/sampler.py): top-k / top-p ranked
-from torch.topk's largest TOP_CANDIDATES (a row whose top-p prefix reaches past them sorted
-whole), and one uniform per row for an inverse transform draw. Both give each row the same
-distribution (tests/test_sampler.py); this times them, interleaved repeat by repeat, on
+with the request's generator. The engine's torch path (engine/runner/sampler.py,
+`engine_torch_path`): top-k / top-p ranked from torch.topk's largest TOP_CANDIDATES (a row
+whose top-p prefix reaches past them sorted whole), and one uniform per row for an inverse
+transform draw. The engine's (`engine`): the same in one fused C++ op per batch where the CPU
+layer ops have it (kernels/cpu_sample_rows.h), else the torch path. All give each row the same
+distribution (tests/test_sampler.py, tests/test_sample_rows.py); this times them, interleaved
+repeat by repeat, on
 language-model-shaped logits: a power law over a random order of the vocabulary (the k-th most
 likely token ~ k^-1.1, top-1 ~0.2 at temperature 1) plus noise, seeded. Prints JSON: min and
-median ms per batch, the ratio of the mins, and the logits' shape (mean top-1 probability and
+median ms per batch, the ratios of the mins (plain over engine: speedup; torch path over the
+fused op: fused_op_speedup), and the logits' shape (mean top-1 probability and
 mass of the TOP_CANDIDATES most likely tokens at temperature 0.7).
 """
 
@@ -31,9 +35,8 @@ from benchmarks.common import emit
 from engine.request import SamplingParams
 from engine.runner import sampler
 from engine.runner.host_memory import keep_freed_memory
-from engine.runner.models.layer_ops import make_layer_ops
+from engine.runner.models.layer_ops import TorchOps, make_layer_ops
 from engine.runner.models.presets import MODEL_PRESETS
-from engine.runner.sampler import Argmax
 
 MODES = {
     "greedy": SamplingParams(temperature=0.0),
@@ -98,15 +101,24 @@ def lm_shaped_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def time_case(
-    logits: torch.Tensor, params: SamplingParams, repeats: int, seed: int, argmax: Argmax
+    logits: torch.Tensor, params: SamplingParams, repeats: int, seed: int, ops: TorchOps
 ) -> dict:
-    """Both samplers on the same rows and seeded generators, interleaved repeat by repeat."""
+    """The samplers on the same rows and seeded generators, interleaved repeat by repeat:
+    the engine's (its fused op where the layer ops have one), the engine's torch path, and the
+    plain torch way."""
     rows = logits.shape[0]
     gens = [torch.Generator().manual_seed(seed + i) for i in range(rows)]
     runs: dict[str, Callable[[], object]] = {
-        "engine": lambda: sampler.sample(logits, [params] * rows, gens, argmax=argmax),
+        "engine": lambda: sampler.sample(
+            logits, [params] * rows, gens, argmax=ops.argmax_rows, sample_rows=ops.sample_rows
+        ),
+        "engine_torch_path": lambda: sampler.sample(
+            logits, [params] * rows, gens, argmax=ops.argmax_rows
+        ),
         "plain_torch": lambda: reference_sample(logits, params, gens),
     }
+    if params.greedy or ops.sample_rows is None:
+        del runs["engine_torch_path"]  # the same code as "engine"
     for run in runs.values():
         run()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -119,6 +131,11 @@ def time_case(
         **{f"{k}_min_ms": round(min(v), 3) for k, v in times.items()},
         **{f"{k}_median_ms": round(statistics.median(v), 3) for k, v in times.items()},
         "speedup": round(min(times["plain_torch"]) / min(times["engine"]), 1),
+        **(
+            {"fused_op_speedup": round(min(times["engine_torch_path"]) / min(times["engine"]), 2)}
+            if "engine_torch_path" in times
+            else {}
+        ),
     }
 
 
@@ -154,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
             # Greedy rows see the LM head's bfloat16 output as it is; the others widen it.
             rows_in = logits.bfloat16() if params.greedy else logits
             results[f"{rows} rows, {name}"] = time_case(
-                rows_in, params, args.repeats, args.seed, ops.argmax_rows
+                rows_in, params, args.repeats, args.seed, ops
             )
     report = {
         "benchmark": "sampling",
@@ -164,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
         "vocab": args.vocab,
         "top_candidates": sampler.TOP_CANDIDATES,
         "greedy_argmax": ops.name if why_not is None else f"torch ({why_not})",
+        "sampled_rows": "fused op" if ops.sample_rows is not None else "torch path",
         "logits_at_temperature_0.7": shape,
         "per_case": results,
     }

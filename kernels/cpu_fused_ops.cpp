@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -33,6 +34,7 @@
 #include "cpu_int8_rows.h"
 #include "cpu_amx_linear.h"  // after the two above: it reuses their pair builders
 #include "cpu_f32_tiles.h"
+#include "cpu_sample_rows.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -659,6 +661,43 @@ torch::Tensor rows_argmax(torch::Tensor x) {
   DISPATCH_MODEL_DTYPE(x.scalar_type(), rows_argmax_impl, out, x)
   return out;
 }
+// One sampled token per row (cpu_sample_rows.h): temperature [R] > 0, top_k [R] (<= 0 off),
+// top_p [R] in (0, 1], min_p [R] in [0, 1], uniforms [R] in [0, 1) (float64, one per row).
+torch::Tensor rows_sample(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
+                          torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniforms) {
+  check_rows("logits", logits, false);
+  const int64_t R = logits.size(0);
+  TORCH_CHECK_VALUE(logits.size(1) > 0 && logits.size(1) < (int64_t(1) << 31),
+                    "logits: rows of 1 to 2^31 - 1 values expected, got ", logits.sizes());
+  const std::tuple<const char*, const torch::Tensor*, at::ScalarType> params[] = {
+      {"temperature", &temperature, at::kFloat}, {"top_k", &top_k, at::kLong},
+      {"top_p", &top_p, at::kFloat}, {"min_p", &min_p, at::kFloat},
+      {"uniforms", &uniforms, at::kDouble}};
+  for (const auto& [name, t, dtype] : params) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() == 1 && t->size(0) == R &&
+                          t->scalar_type() == dtype && t->is_contiguous(),
+                      name, ": contiguous CPU ", dtype, " [", R, "] expected, got ",
+                      t->scalar_type(), " ", t->sizes());
+  }
+  std::vector<cpu_sample_rows::Row> rows(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    cpu_sample_rows::Row& row = rows[size_t(r)];
+    row = {temperature.data_ptr<float>()[r], top_k.data_ptr<int64_t>()[r],
+           top_p.data_ptr<float>()[r], min_p.data_ptr<float>()[r],
+           uniforms.data_ptr<double>()[r]};
+    TORCH_CHECK_VALUE(row.temperature > 0 && std::isfinite(row.temperature), "temperature: row ",
+                      r, " is ", row.temperature, "; sampling needs > 0 (0 is greedy: argmax)");
+    TORCH_CHECK_VALUE(row.top_p > 0 && row.top_p <= 1, "top_p: row ", r, " is ", row.top_p,
+                      ", outside (0, 1]");
+    TORCH_CHECK_VALUE(row.min_p >= 0 && row.min_p <= 1, "min_p: row ", r, " is ", row.min_p,
+                      ", outside [0, 1]");
+    TORCH_CHECK_VALUE(row.uniform >= 0 && row.uniform < 1, "uniforms: row ", r, " is ",
+                      row.uniform, ", outside [0, 1)");
+  }
+  torch::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  DISPATCH_MODEL_DTYPE(logits.scalar_type(), cpu_sample_rows::sample_rows_impl, out, logits, rows)
+  return out;
+}
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_rows("gate_up", gate_up, true);
   TORCH_CHECK_VALUE(gate_up.size(1) % (2 * LANES) == 0, "gate_up: width must be a multiple of ",
@@ -883,6 +922,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place on the first num_heads heads of each row");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
   m.def("rows_argmax", &rows_argmax, "each row's first index of its max (NaN counts as the max)");
+  m.def("rows_sample", &rows_sample,
+        "one sampled token per row: temperature, min-p, top-k, top-p, one uniform a row");
   m.def("dequant_int4", &dequant_int4, "int4 blocks -> the transposed 16/32-bit weight [K, rows]");
   m.def("dequant_int8", &dequant_int8, "int8 rows * per-row scales -> 16/32-bit rows");
   m.def("int8_linear", &int8_linear, "x @ (int8 weight * per-row scales).T for a few rows",

@@ -74,6 +74,20 @@ def rows_argmax(x: torch.Tensor) -> torch.Tensor:
     return load_extension().rows_argmax(x)
 
 
+def rows_sample(
+    logits: torch.Tensor,  # [rows, vocab] float32 / bfloat16 / float16, contiguous rows
+    temperature: torch.Tensor,  # float32 [rows], > 0
+    top_k: torch.Tensor,  # int64 [rows], <= 0: off
+    top_p: torch.Tensor,  # float32 [rows], in (0, 1]
+    min_p: torch.Tensor,  # float32 [rows], in [0, 1]
+    uniforms: torch.Tensor,  # float64 [rows], in [0, 1): each row's one draw
+) -> torch.Tensor:
+    """One sampled token per row, int64 [rows]: engine/runner/sampler.py's logits_to_probs
+    and draw_tokens in one pass per row (kernels/cpu_sample_rows.h). ValueError for a row
+    holding NaN or giving no token a finite chance, naming the row."""
+    return load_extension().rows_sample(logits, temperature, top_k, top_p, min_p, uniforms)
+
+
 def dequant_int4(
     wt: torch.Tensor,  # [K, rows] in scale_and_zero's dtype, contiguous rows: written
     packed: torch.Tensor,  # uint8 [N, K/2], kernels/int4_pack.py's layout

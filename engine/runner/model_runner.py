@@ -400,6 +400,7 @@ class ModelRunner:
                 generators,
                 [_penalty_history(r) for r in requests],
                 self.layer_ops.argmax_rows,
+                self.layer_ops.sample_rows,
             )
         except Exception:
             for gen, state in zip(generators, states, strict=True):
@@ -419,6 +420,7 @@ class ModelRunner:
                 token = sample(
                     logits[row : row + 1], [r.params], [self._generator(r)],
                     [_penalty_history(r)], self.layer_ops.argmax_rows,
+                    self.layer_ops.sample_rows,
                 )[0]  # fmt: skip
             except Exception as exc:
                 fail_request(r, "sampling", exc, result)

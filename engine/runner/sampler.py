@@ -112,6 +112,12 @@ def _top_p_prefix(kept: torch.Tensor, top_p: torch.Tensor, total: torch.Tensor) 
 
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
+# A fused op taking (logits, temperature, top_k, top_p, min_p, uniforms) to one token per row:
+# logits_to_probs + draw_tokens in one call (the model's layer ops: a C++ one on CPU).
+SampleRows = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
 
 
 def greedy_tokens(logits: torch.Tensor, argmax: Argmax | None = None) -> list[int]:
@@ -128,10 +134,13 @@ def sample(
     generators: Sequence[torch.Generator | None],
     seen_token_ids: Sequence[Sequence[int]] | None = None,
     argmax: Argmax | None = None,
+    sample_rows: SampleRows | None = None,
 ) -> list[int]:
     """Pick one token per row of logits [B, V] (float32, or the head's 16-bit output: greedy
     rows compare them as they are, everything else works in float32). Greedy rows take the
-    argmax (through `argmax`, see greedy_tokens); others draw with their generator."""
+    argmax (through `argmax`, see greedy_tokens); others draw with their generator, one uniform
+    each, through `sample_rows` where given (CPU logits) or logits_to_probs + draw_tokens: the
+    same distribution either way."""
     if seen_token_ids is not None and any(p.repetition_penalty != 1.0 for p in params):
         logits = apply_repetition_penalty(
             logits.float(), seen_token_ids, [p.repetition_penalty for p in params]
@@ -146,14 +155,19 @@ def sample(
     rows_logits = logits  # every row samples: no copy of the batch's logits
     if some_greedy:
         rows_logits = logits[torch.tensor(random_rows, device=device)]
-    probs = logits_to_probs(
-        rows_logits,
-        torch.tensor([p.temperature for p in sub], device=device),
-        torch.tensor([p.top_k for p in sub], device=device),
-        torch.tensor([p.top_p for p in sub], device=device),
-        torch.tensor([p.min_p for p in sub], device=device),
+    filters = (
+        torch.tensor([p.temperature for p in sub], dtype=torch.float32, device=device),
+        torch.tensor([p.top_k for p in sub], dtype=torch.int64, device=device),
+        torch.tensor([p.top_p for p in sub], dtype=torch.float32, device=device),
+        torch.tensor([p.min_p for p in sub], dtype=torch.float32, device=device),
     )
-    drawn = draw_tokens(probs, [generators[i] for i in random_rows])
+    if sample_rows is not None and device.type == "cpu":
+        # The uniforms in row order, as draw_tokens takes them: the same stream per generator.
+        uniforms = torch.tensor([uniform(generators[i]) for i in random_rows], dtype=torch.float64)
+        drawn = sample_rows(rows_logits, *filters, uniforms).tolist()
+    else:
+        probs = logits_to_probs(rows_logits, *filters)
+        drawn = draw_tokens(probs, [generators[i] for i in random_rows])
     for i, token in zip(random_rows, drawn, strict=True):
         tokens[i] = token
     return tokens

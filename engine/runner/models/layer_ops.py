@@ -67,6 +67,10 @@ class TorchOps:
         (2-core Xeon)."""
         return logits.max(dim=-1).indices
 
+    # Sampled rows' tokens in one fused op (sampler.SampleRows), or None: the sampler's torch
+    # path (logits_to_probs + draw_tokens).
+    sample_rows = None
+
 
 class FusedOps(TorchOps):
     """One kernel call per op through `impl`, a module with the signatures of
@@ -114,6 +118,12 @@ class CpuFusedOps(FusedOps):
         if logits.device.type != "cpu" or logits.dim() != 2:
             return super().argmax_rows(logits)
         return self.impl.rows_argmax(logits)
+
+    def sample_rows(self, logits, temperature, top_k, top_p, min_p, uniforms):
+        # kernels/cpu_sample_rows.h: at temperature 0.7 with top-p 0.95 (the chat tab's
+        # defaults) one row of 49,152 bfloat16 logits took 0.07-0.10 ms against 0.41-0.46 ms
+        # on the torch path; 64 rows with top-p 0.9 2.9 ms against 9.7 (2-core EPYC).
+        return self.impl.rows_sample(logits, temperature, top_k, top_p, min_p, uniforms)
 
 
 class TritonFusedOps(FusedOps):
