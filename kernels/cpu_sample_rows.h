@@ -20,7 +20,8 @@
 //   `width` (max(256, top_k)) tokens reach. They are ranked lazily (nth_element, then a sort
 //   of the next 64, 128, ... as the walk needs them: top-p's prefix is usually a few dozen of
 //   a few thousand) and walked as the torch path's cumsum does. A row whose prefix reaches
-//   past them (a flat distribution) ranks every token with mass instead.
+//   past them (a flatter distribution) takes the next threshold down, and past the last one
+//   every token with mass.
 // - The draw: the first token, in vocabulary order, whose running mass (float64) exceeds
 //   u x the kept mass, u the request's one uniform drawn in Python (its generator, so a seeded
 //   request draws the same whatever shares its batch). An unfiltered row finds its block of
@@ -59,7 +60,8 @@ constexpr int64_t TOP_CANDIDATES = 256;  // engine/runner/sampler.py's TOP_CANDI
 constexpr int64_t DRAW_BLOCK = 512;      // tokens a block of the draw's first level
 constexpr float EXP_LOWEST = -87.0f;     // cpu_simd::exp_nonpositive's clamp
 // Candidate thresholds on e (powers of two, highest first): the highest one that at least
-// `width` tokens reach picks the candidates; a row none of them serves ranks every token.
+// `width` tokens reach picks the candidates (the next one down when top-p's prefix runs past
+// them); a row none of them serves ranks every token with mass.
 constexpr int LEVELS = 8;
 constexpr float LEVEL[LEVELS] = {0x1p-2f, 0x1p-4f, 0x1p-6f, 0x1p-8f,
                                  0x1p-11f, 0x1p-14f, 0x1p-18f, 0x1p-24f};
@@ -177,23 +179,13 @@ double exps(const T* logits, int64_t V, const Row& row, Scratch& s, int64_t* cou
   return total;
 }
 
-// The kept tokens of a filtered row into s.kept (any order), their mass returned. `all`: rank
-// every token with mass instead of the candidates.
-inline double keep_top(const Row& row, int64_t V, double total, const int64_t* counts, bool all,
-                       Scratch& s, bool* reached_past) {
+// The kept tokens of a filtered row into s.kept (any order), their mass returned, ranking the
+// tokens at or above LEVEL[level] (level == LEVELS: every token with mass).
+inline double keep_top(const Row& row, int64_t V, double total, int level, Scratch& s,
+                       bool* reached_past) {
   const float* e = s.e.data();
   const int64_t k = row.top_k > 0 && row.top_k < V ? row.top_k : V;
-  const int64_t width = std::min(V, std::max(TOP_CANDIDATES, row.top_k > 0 ? k : 0));
-  // The highest level at least `width` tokens reach (none: every token with mass).
-  float threshold = 0.f;
-  if (!all) {
-    for (int j = 0; j < LEVELS; ++j) {
-      if (counts[j] >= width) {
-        threshold = LEVEL[j];
-        break;
-      }
-    }
-  }
+  const float threshold = level < LEVELS ? LEVEL[level] : 0.f;
   s.candidates.clear();
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -309,9 +301,17 @@ void sample_rows_impl(torch::Tensor out, torch::Tensor logits, const std::vector
         op[r] = token;
         continue;
       }
-      bool reached_past = false;
-      double mass = keep_top(row, V, total, counts, false, s, &reached_past);
-      if (reached_past) mass = keep_top(row, V, total, counts, true, s, &reached_past);
+      // The highest level `width` tokens reach; a level whose candidates top-k or top-p's
+      // prefix runs past gives way to the next one down (a flatter row than the counts told).
+      const int64_t width = std::min(V, std::max(TOP_CANDIDATES, row.top_k > 0 ? row.top_k : 0));
+      int level = 0;
+      while (level < LEVELS && counts[level] < width) ++level;
+      bool reached_past = true;
+      double mass = 0;
+      for (; reached_past; ++level) {
+        reached_past = false;
+        mass = keep_top(row, V, total, level, s, &reached_past);  // never past at LEVELS
+      }
       std::sort(s.kept.begin(), s.kept.end());  // the draw goes in vocabulary order
       op[r] = draw(s.e.data(), s.kept.data(), int64_t(s.kept.size()), mass, row.uniform);
     }
