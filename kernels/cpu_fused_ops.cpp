@@ -47,14 +47,7 @@ inline int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(1, row_elements));
 }
 
-// 16 values of T <-> float32 lanes.
-inline f32x16 load16(const float* p) { return load_vec<f32x16>(p); }
-inline f32x16 load16(const c10::BFloat16* p) { return load_bf16x16(p); }
-inline f32x16 load16(const c10::Half* p) {
-  f32x16 v;
-  for (int i = 0; i < LANES; ++i) v[i] = to_float(p[i]);
-  return v;
-}
+// float32 lanes -> 16 values of T (cpu_simd::load16 the other way).
 inline void store16(float* p, f32x16 v) { store_vec(p, v); }
 inline void store16(c10::BFloat16* p, f32x16 v) { store_bf16x16(p, v); }
 inline void store16(c10::Half* p, f32x16 v) {

@@ -39,10 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <string>
-#include <utility>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -84,18 +81,6 @@ struct Scratch {
   std::vector<int32_t> kept;
 };
 
-// 16 logits as float32 lanes.
-inline f32x16 widen16(const float* p) { return cpu_simd::load_vec<f32x16>(p); }
-inline f32x16 widen16(const c10::BFloat16* p) { return cpu_simd::load_bf16x16(p); }
-inline f32x16 widen16(const c10::Half* p) {
-  f32x16 v;
-  for (int i = 0; i < LANES; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return cpu_simd::to_float(x); }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
-
 // The largest double below x (x > 0): the draw's target stays under the kept mass, so some
 // token with mass is always past it (u x total can round up to total when u is near 1).
 inline double below(double x) { return std::nextafter(x, 0.0); }
@@ -116,7 +101,7 @@ double exps(const T* logits, int64_t V, const Row& row, Scratch& s, int64_t* cou
   f32x16 max_lanes = f32x16{} - std::numeric_limits<float>::infinity();
   cpu_simd::i32x16 unordered{};
   for (int64_t i = 0; i < vec_end; i += LANES) {
-    const f32x16 x = widen16(logits + i) / temperature;
+    const f32x16 x = cpu_simd::load16(logits + i) / temperature;
     cpu_simd::store_vec(e + i, x);
     max_lanes = x > max_lanes ? x : max_lanes;
     unordered |= x != x;
@@ -128,7 +113,7 @@ double exps(const T* logits, int64_t V, const Row& row, Scratch& s, int64_t* cou
     nan |= unordered[i] != 0;
   }
   for (int64_t i = vec_end; i < V; ++i) {
-    const float x = widen(logits[i]) / row.temperature;
+    const float x = cpu_simd::to_float(logits[i]) / row.temperature;
     e[i] = x;
     nan |= x != x;
     m = x > m ? x : m;
@@ -261,6 +246,29 @@ inline int64_t draw(const float* e, const int32_t* tokens, int64_t n, double mas
   return last_with_mass;  // float64 sums in another order than `mass`: the last with mass
 }
 
+// An unfiltered row's token: every token with its mass, in vocabulary order, the block of
+// DRAW_BLOCK tokens found from the block masses first, then the token inside it.
+inline int64_t draw_unfiltered(const Scratch& s, int64_t V, double total, double u) {
+  const double target = std::min(u * total, below(total));
+  double running = 0;
+  size_t b = 0;
+  while (b + 1 < s.block_mass.size() && running + s.block_mass[b] <= target) {
+    running += s.block_mass[b++];
+  }
+  const float* e = s.e.data();
+  int64_t token = -1;
+  const int64_t block_end = std::min(V, int64_t(b + 1) * DRAW_BLOCK);
+  for (int64_t i = int64_t(b) * DRAW_BLOCK; i < block_end; ++i) {
+    if (e[i] <= 0.f) continue;
+    running += e[i];
+    token = i;
+    if (running > target) return token;
+  }
+  // The block sums rounded another way than this scan's: the last token with mass.
+  for (int64_t i = V - 1; token < 0 && i >= 0; --i) token = e[i] > 0.f ? i : -1;
+  return token;
+}
+
 template <typename T>
 void sample_rows_impl(torch::Tensor out, torch::Tensor logits, const std::vector<Row>& rows) {
   const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
@@ -280,25 +288,8 @@ void sample_rows_impl(torch::Tensor out, torch::Tensor logits, const std::vector
         op[r] = -1;
         continue;
       }
-      if (!filtered) {  // every token with its mass, in vocabulary order: a block, then inside
-        const double target = std::min(row.uniform * total, below(total));
-        double running = 0;
-        size_t b = 0;
-        while (b + 1 < s.block_mass.size() && running + s.block_mass[b] <= target) {
-          running += s.block_mass[b++];
-        }
-        const float* e = s.e.data();
-        int64_t token = -1;
-        const int64_t block_end = std::min(V, int64_t(b + 1) * DRAW_BLOCK);
-        for (int64_t i = int64_t(b) * DRAW_BLOCK; i < block_end; ++i) {
-          if (e[i] <= 0.f) continue;
-          running += e[i];
-          token = i;
-          if (running > target) break;
-        }
-        // The block sums rounded another way than this scan's: the last token with mass.
-        for (int64_t i = V - 1; token < 0 && i >= 0; --i) token = e[i] > 0.f ? i : -1;
-        op[r] = token;
+      if (!filtered) {
+        op[r] = draw_unfiltered(s, V, total, row.uniform);
         continue;
       }
       // The highest level `width` tokens reach; a level whose candidates top-k or top-p's

@@ -111,6 +111,15 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 
+// 16 model-dtype values (float32 / bfloat16 / float16) as float32 lanes.
+inline f32x16 load16(const float* p) { return load_vec<f32x16>(p); }
+inline f32x16 load16(const c10::BFloat16* p) { return load_bf16x16(p); }
+inline f32x16 load16(const c10::Half* p) {
+  f32x16 v;
+  for (int i = 0; i < LANES; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+
 // v's lanes rounded to bfloat16 by the bits, nearest even (c10::BFloat16's rule), NaN made
 // the quiet NaN 0x7FC0: the bfloat16 in each lane's top half, the low half zero.
 inline u32x16 bf16_bits_on_top(f32x16 v) {
