@@ -5,9 +5,13 @@
     python -m benchmarks.batch1 --vary fused_ops=true,false
     python -m benchmarks.batch1 --vary quantization=none,int8,int4
     python -m benchmarks.batch1 --skip-hf --decode-step-ab 6 [--quantization int4]
+    python -m benchmarks.batch1 --sampled --vary quantization=none,int4   # the Chat tab's settings
 
 One user, one request at a time (a chat, an agent loop): each prompt (--prompt-len tokens) is
-sent when the previous one has finished and generates exactly --output-len tokens, greedy.
+sent when the previous one has finished and generates exactly --output-len tokens, greedy;
+with --sampled, at the Chat tab's default temperature and top-p (playground/handlers/chat.py),
+request i seeded i in our engines and torch.manual_seed(i) before HF's (whose tokens then
+differ from ours: another generator; `same_tokens_as_baseline` is null for it).
 Measured per engine: TPOT (median over the prompts of each request's time per output token
 after the first) and TTFT. Engines, in this order, each built afresh in this process:
 - ours with the flags given, once per value of `--vary FIELD=V1,V2,...` (the first value is
@@ -52,13 +56,26 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.runner.model_loader import resolve_model
+from playground.handlers.chat import CHAT_TEMPERATURE, CHAT_TOP_P
 
 
-def run_ours(config: EngineConfig, prompts: list[list[int]], output_len: int) -> dict:
+def request_params(output_len: int, sampled: bool, index: int) -> SamplingParams:
+    """Request `index`'s parameters: greedy, or the Chat tab's defaults seeded with the index
+    (every engine of the run draws from the same seeds)."""
+    if not sampled:
+        return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=output_len, temperature=CHAT_TEMPERATURE, top_p=CHAT_TOP_P,
+                          seed=index, ignore_eos=True)  # fmt: skip
+
+
+def run_ours(
+    config: EngineConfig, prompts: list[list[int]], output_len: int, sampled: bool = False
+) -> dict:
     llm = LLM(**dataclasses.asdict(config))
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    outs = [llm.generate([p], params)[0] for p in prompts]
+    llm.generate([prompts[0][:8]], request_params(4, sampled, 0))  # warm-up, the same path
+    outs = [
+        llm.generate([p], request_params(output_len, sampled, i))[0] for i, p in enumerate(prompts)
+    ]
     runner = llm.engine.runner
     result = {
         "tpot_ms": round(statistics.median(o.metrics.tpot_s for o in outs) * 1e3, 2),
@@ -76,7 +93,11 @@ def run_ours(config: EngineConfig, prompts: list[list[int]], output_len: int) ->
 
 
 def run_decode_step_ab(
-    config: EngineConfig, prompts: list[list[int]], output_len: int, rounds: int
+    config: EngineConfig,
+    prompts: list[list[int]],
+    output_len: int,
+    rounds: int,
+    sampled: bool = False,
 ) -> dict:
     """Median TPOT with the model's C++ decode step and with its Python layers (the step set
     aside), alternating per request."""
@@ -85,15 +106,14 @@ def run_decode_step_ab(
     step = model.decode_step
     if step is None:
         return {"skipped": "no C++ decode step in this configuration (see decode_step.py)"}
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    llm.generate([prompts[0][:8]], request_params(4, sampled, 0))  # warm-up
     tpots: dict[bool, list[float]] = {True: [], False: []}
     tokens: dict[bool, list[list[int]]] = {True: [], False: []}
     for _ in range(rounds):
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             for on in (True, False):
                 model.decode_step = step if on else None
-                out = llm.generate([prompt], params)[0]
+                out = llm.generate([prompt], request_params(output_len, sampled, i))[0]
                 tpots[on].append(out.metrics.tpot_s * 1e3)
                 tokens[on].append(out.token_ids)
     model.decode_step = step
@@ -110,22 +130,38 @@ def run_decode_step_ab(
     }
 
 
-def run_hf(weights_dir, dtype: torch.dtype, prompts: list[list[int]], output_len: int) -> dict:
+def hf_sampling_kwargs(sampled: bool) -> dict:
+    """`generate` arguments for the same sampling as request_params. top_k=0 turns off the
+    top-k of 50 that transformers applies by default, which our engine does not."""
+    if not sampled:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": CHAT_TEMPERATURE, "top_p": CHAT_TOP_P, "top_k": 0}
+
+
+def run_hf(
+    weights_dir,
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    output_len: int,
+    sampled: bool = False,
+) -> dict:
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     from benchmarks.throughput import StepClock
 
     model = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=dtype).eval()
+    sampling = hf_sampling_kwargs(sampled)
     tpots, ttfts, tokens = [], [], []
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=4, do_sample=False)
-        for p in prompts:
+        model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=4, **sampling)
+        for i, p in enumerate(prompts):
+            torch.manual_seed(i)
             clock = StepClock()
             start = time.perf_counter()
             out = model.generate(
                 torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                logits_processor=LogitsProcessorList([clock]),
+                max_new_tokens=output_len, min_new_tokens=output_len,
+                logits_processor=LogitsProcessorList([clock]), **sampling,
             )  # fmt: skip
             ttfts.append(clock.times[0] - start)
             tpots.append((clock.times[-1] - clock.times[0]) / (len(clock.times) - 1))
@@ -145,6 +181,8 @@ def build_parser():
     p.add_argument("--vary", default="prepack_weights=true,false",
                    help="FIELD=V1,V2,...: one engine per value, the first is the baseline")  # fmt: skip
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--sampled", action="store_true",
+                   help="sample at the Chat tab's default temperature and top-p, not greedy")  # fmt: skip
     p.add_argument("--decode-step-ab", type=int, default=0, metavar="ROUNDS",
                    help="also time the C++ decode step on/off, interleaved, over ROUNDS rounds")  # fmt: skip
     add_ceilings_flag(p)
@@ -163,16 +201,20 @@ def main(argv: list[str] | None = None) -> dict:
                for _ in range(args.num_prompts)]  # fmt: skip
     runs: dict[str, dict] = {}
     for value, cfg in zip(values, configs, strict=True):
-        runs[f"ours {field}={value}"] = run_ours(cfg, prompts, args.output_len)
+        runs[f"ours {field}={value}"] = run_ours(cfg, prompts, args.output_len, args.sampled)
     base = next(iter(runs.values()))
     if not args.skip_hf and source.weights_dir is not None:
         dtype = getattr(torch, base["dtype"])
-        runs["hf generate"] = run_hf(source.weights_dir, dtype, prompts, args.output_len)
+        runs["hf generate"] = run_hf(
+            source.weights_dir, dtype, prompts, args.output_len, args.sampled
+        )
     ceilings = end_of_run_ceilings(args, config.device)  # the best of before and after
     bandwidth = ceilings.bandwidth_bytes_per_s
     base_tokens = base["token_ids"]
-    for run in runs.values():
-        run["same_tokens_as_baseline"] = run.pop("token_ids") == base_tokens
+    for name, run in runs.items():
+        same = run.pop("token_ids") == base_tokens
+        # HF samples from its own generator: equal tokens would be chance, not agreement.
+        run["same_tokens_as_baseline"] = None if args.sampled and name == "hf generate" else same
         read = run.get("weight_bytes_read_per_step", base["weight_bytes_read_per_step"])
         run["floor_tpot_ms"] = round(read / bandwidth * 1e3, 2)
         run["tpot_over_floor"] = round(run["tpot_ms"] / run["floor_tpot_ms"], 2)
@@ -186,13 +228,16 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "num_prompts": args.num_prompts,
+        "sampling": (
+            {"temperature": CHAT_TEMPERATURE, "top_p": CHAT_TOP_P} if args.sampled else "greedy"
+        ),
         "config": config_report(config),
         "vary": field,
         "runs": runs,
     }
     if args.decode_step_ab > 0:
         report["decode_step_ab"] = run_decode_step_ab(
-            config, prompts, args.output_len, args.decode_step_ab
+            config, prompts, args.output_len, args.decode_step_ab, args.sampled
         )
     emit(report, args.json)
     return report

@@ -71,3 +71,32 @@ def test_bench_batch1_times_the_decode_step_on_and_off(monkeypatch):
     # Where no step is built (enforce_eager), it says so instead of timing one path twice.
     eager = batch1.main([*argv, "--enforce-eager"])["decode_step_ab"]
     assert "skipped" in eager
+
+
+def test_bench_batch1_sampled_uses_the_chat_tabs_defaults(monkeypatch):
+    from playground.handlers.chat import CHAT_TEMPERATURE, CHAT_TOP_P
+
+    toy = DeviceCeilings(name="toy", peak_flops_per_s={"bfloat16": 1e12}, bandwidth_bytes_per_s=1e9,
+                         measured=False, source="test")  # fmt: skip
+    monkeypatch.setattr(common, "get_ceilings", lambda device, refresh=False: toy)
+    monkeypatch.setattr(common, "measure_ceilings", lambda device: toy)
+    monkeypatch.setattr(common, "remember_ceilings", lambda ceilings, device: None)
+    seen: list = []  # every request the engines run, warm-up included
+    real_generate = batch1.LLM.generate
+
+    def generate(self, prompts, params=None):
+        seen.append(params)
+        return real_generate(self, prompts, params)
+
+    monkeypatch.setattr(batch1.LLM, "generate", generate)
+    argv = ["--model", "random:tiny", "--prompt-len", "12", "--output-len", "6", "--num-prompts",
+            "3", "--vary", "prepack_weights=true,false", "--skip-hf", "--sampled"]  # fmt: skip
+    report = batch1.main(argv)
+    assert report["sampling"] == {"temperature": CHAT_TEMPERATURE, "top_p": CHAT_TOP_P}
+    assert all(p.temperature == CHAT_TEMPERATURE and p.top_p == CHAT_TOP_P for p in seen)
+    timed = [p for p in seen if p.max_tokens == 6]
+    assert [p.seed for p in timed] == [0, 1, 2, 0, 1, 2]  # both engines draw from the same seeds
+    # Seeded: prepacking changes no number, so the second engine samples the same tokens.
+    assert report["runs"]["ours prepack_weights=false"]["same_tokens_as_baseline"] is True
+    assert batch1.hf_sampling_kwargs(True)["top_k"] == 0  # HF's default top-k 50 off, as ours
+    assert batch1.hf_sampling_kwargs(False) == {"do_sample": False}

@@ -23,6 +23,10 @@ MAX_CHAT_N = 4  # replies side by side: more would not fit the chat column
 
 STREAM_YIELD_INTERVAL_S = 0.05  # at most ~20 UI updates/s per reply, however fast the engine
 NOTHING_TO_STOP = "Nothing to stop: no reply is streaming."
+# The Chat tab's sampling defaults (its sliders start here; benchmarks.batch1 --sampled times
+# them): most chat UIs sample, so this, not greedy, is what a user's first token goes through.
+CHAT_TEMPERATURE = 0.7
+CHAT_TOP_P = 0.95
 
 
 def sampling_params(

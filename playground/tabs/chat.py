@@ -11,6 +11,8 @@ import gradio as gr
 
 from playground.context import AppContext
 from playground.handlers.chat import (
+    CHAT_TEMPERATURE,
+    CHAT_TOP_P,
     MAX_CHAT_N,
     ChatBackend,
     ChatSessions,
@@ -70,8 +72,10 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             ui.status = gr.Markdown(elem_id="chat-status")
         with gr.Column(scale=1, min_width=260):
             ui.system_prompt = gr.Textbox(DEFAULT_SYSTEM_PROMPT, label="System prompt", lines=3)
-            ui.temperature = gr.Slider(0.0, 2.0, 0.7, step=0.05, label="Temperature (0 = greedy)")
-            ui.top_p = gr.Slider(0.05, 1.0, 0.95, step=0.05, label="Top-p")
+            ui.temperature = gr.Slider(
+                0.0, 2.0, CHAT_TEMPERATURE, step=0.05, label="Temperature (0 = greedy)"
+            )
+            ui.top_p = gr.Slider(0.05, 1.0, CHAT_TOP_P, step=0.05, label="Top-p")
             # precision=None: Gradio would round 2.5 silently; sampling_params refuses it.
             ui.top_k = gr.Number(-1, label="Top-k (-1 = off)", elem_id="chat-top-k")
             ui.max_tokens = gr.Slider(1, 1024, 256, step=1, label="Max new tokens")
