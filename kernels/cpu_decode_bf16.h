@@ -20,11 +20,12 @@
 //   odd dims with a shift and a mask, no shuffle) and accumulated into all G heads' float32
 //   accumulators, which stay in registers for the whole sequence (G x D/16 vectors, in that
 //   even/odd order until the output is written).
-// - K's rows 3 blocks ahead are requested into L2 while K's rows are scored (pass 1 below),
-//   V's while V's are accumulated (pass 2), a row per row (cpu_simd::rows_ahead says why L2
-//   and why spread). Both requested in pass 1, memory sat idle through pass 2: over the
-//   engine's and contiguous block placements that was 10-14 % slower, over shuffled blocks the
-//   same (in-process A/B, 12 alternating rounds each, 2-core cloud Xeon, 2026-12-07).
+// - K's rows 48 keys ahead (in whole blocks: 3 of 16) are requested into L2 while K's rows
+//   are scored (pass 1 below), V's while V's are accumulated (pass 2), a row per row
+//   (cpu_simd::rows_ahead says why L2 and why spread). Both requested in pass 1, memory sat
+//   idle through pass 2: over the engine's and contiguous block placements that was 10-14 %
+//   slower, over shuffled blocks the same (in-process A/B, 12 alternating rounds each, 2-core
+//   cloud Xeon, 2026-12-07).
 // The softmax scale multiplies the float32 scores (the generic path pre-scales q instead).
 #pragma once
 

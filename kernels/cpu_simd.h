@@ -298,16 +298,26 @@ inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }
 // in the pool and the hardware prefetcher does not follow the jump to the next one; into L1,
 // a scattered 2 KB read stalled at ~9 GB/s per core, into L2 it reaches ~15 (2-6 blocks ahead
 // measured alike). While the block at key position `start` is computed, the block
-// PREFETCH_BLOCKS further is requested one row per row computed (rows_ahead(...).at(t)), not
-// in a burst at the block's first row: the burst's 64 prefetches (K and V, 16 rows of two
-// lines) queued behind each other and stalled the arithmetic after them; spread, the decode
-// kernel ran ~8-10 % faster from DRAM (benchmarks.cpu_attention, 2-core EPYC, 2026-12-06; a
-// distance of 2 or 5 blocks was slower). The blocks between a sequence's first and that
-// distance are requested at its start (prefetch_first_blocks). `head`: one KV head's rows of
-// block 0; strides and row size in bytes. Always inlined: GCC 12 treats a function whose only
-// effect is a prefetch as side-effect free and deletes the calls it has not inlined (objdump
-// showed a kernel with none left, 1.6x slower on scattered blocks).
-constexpr int PREFETCH_BLOCKS = 3;
+// prefetch_blocks(block_size) further is requested one row per row computed
+// (rows_ahead(...).at(t)), not in a burst at the block's first row: the burst's 64 prefetches
+// (K and V, 16 rows of two lines) queued behind each other and stalled the arithmetic after
+// them; spread, the decode kernel ran ~8-10 % faster from DRAM (benchmarks.cpu_attention, 2-core
+// EPYC, 2026-12-06; a distance of 2 or 5 blocks of 16 was slower). The blocks between a
+// sequence's first and that distance are requested at its start (prefetch_first_blocks).
+// `head`: one KV head's rows of block 0; strides and row size in bytes. Always inlined: GCC 12
+// treats a function whose only effect is a prefetch as side-effect free and deletes the calls
+// it has not inlined (objdump showed a kernel with none left, 1.6x slower on scattered blocks).
+//
+// The distance is PREFETCH_KEYS keys, rounded up to whole blocks: 3 blocks of 16, 2 of 32, 1 of
+// 64 or 128. Three blocks whatever their size had a sequence of ~400 keys in 128-key blocks
+// requested whole at its start (768 lines for K and V), and made 64- and 128-key blocks slower
+// than 16-key ones: 0.99-1.06 and 1.18-1.22 ms a layer against 0.84-0.90; with the distance in
+// keys, 0.80-0.85 and 0.87-0.93 (benchmarks.cpu_attention --block-size, 2-core EPYC,
+// 2026-12-07, medians, separate runs).
+constexpr int PREFETCH_KEYS = 48;
+__attribute__((always_inline)) inline int prefetch_blocks(int block_size) {
+  return (PREFETCH_KEYS + block_size - 1) / block_size;
+}
 
 struct RowsAhead {
   const char* block = nullptr;  // the block's rows (nullptr: past the context)
@@ -332,22 +342,23 @@ __attribute__((always_inline)) inline RowsAhead block_rows(const char* head, int
   return {head + table[index] * block_bytes, rows, token_bytes, row_bytes};
 }
 
-// The block PREFETCH_BLOCKS past the one starting at key position `start`.
+// The block prefetch_blocks(block_size) past the one starting at key position `start`.
 __attribute__((always_inline)) inline RowsAhead rows_ahead(const char* head, int64_t block_bytes,
                                                            int64_t token_bytes, int64_t row_bytes,
                                                            const int32_t* table, int block_size,
                                                            int ctx, int start) {
   return block_rows(head, block_bytes, token_bytes, row_bytes, table, block_size, ctx,
-                    start / block_size + PREFETCH_BLOCKS);
+                    start / block_size + prefetch_blocks(block_size));
 }
 
-// Blocks 0 .. PREFETCH_BLOCKS - 1 of a sequence, at its start (rows_ahead covers the rest).
+// Blocks 0 .. prefetch_blocks - 1 of a sequence, at its start (rows_ahead covers the rest).
 // Block 0 too: the decode kernel reads V's first rows only after a span of keys, too late for
 // a demand load to start then.
 __attribute__((always_inline)) inline void prefetch_first_blocks(
     const char* head, int64_t block_bytes, int64_t token_bytes, int64_t row_bytes,
     const int32_t* table, int block_size, int ctx) {
-  for (int index = 0; index < PREFETCH_BLOCKS; ++index) {
+  const int blocks = prefetch_blocks(block_size);
+  for (int index = 0; index < blocks; ++index) {
     const RowsAhead block =
         block_rows(head, block_bytes, token_bytes, row_bytes, table, block_size, ctx, index);
     for (int t = 0; t < block.rows; ++t) block.at(t);
