@@ -22,6 +22,8 @@
 #pragma once
 
 #include "cpu_amx_tiles.h"
+#include "cpu_int4_linear.h"  // before the check below: they define CPU_INT4_LINEAR / _INT8_ROWS
+#include "cpu_int8_rows.h"
 
 #if defined(CPU_AMX_TILES) && defined(CPU_INT8_ROWS) && defined(CPU_INT4_LINEAR)
 #define CPU_AMX_LINEAR 1
@@ -30,8 +32,6 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#include "cpu_int4_linear.h"
-#include "cpu_int8_rows.h"
 #include "cpu_simd.h"
 
 #include <algorithm>

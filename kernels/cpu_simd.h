@@ -294,6 +294,13 @@ inline void from_float(float x, float* dst) { *dst = x; }
 inline void from_float(float x, c10::BFloat16* dst) { *dst = c10::BFloat16(x); }  // RNE
 inline void from_float(float x, c10::Half* dst) { *dst = c10::Half(x); }
 
+// float32 lanes -> 16 values of T (load16 the other way).
+inline void store16(float* p, f32x16 v) { store_vec(p, v); }
+inline void store16(c10::BFloat16* p, f32x16 v) { store_bf16x16(p, v); }
+inline void store16(c10::Half* p, f32x16 v) {
+  for (int i = 0; i < LANES; ++i) from_float(v[i], &p[i]);
+}
+
 // Paged K/V rows requested ahead of use, into L2 (prefetcht1): a request's blocks sit anywhere
 // in the pool and the hardware prefetcher does not follow the jump to the next one; into L1,
 // a scattered 2 KB read stalled at ~9 GB/s per core, into L2 it reaches ~15 (2-6 blocks ahead
