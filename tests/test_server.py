@@ -196,6 +196,11 @@ BAD_COMPLETIONS = [
     ({"logprobs": 21}, "logprobs"),  # above MAX_LOGPROBS (tests/test_server_logprobs.py)
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"suffix": "x"}, "suffix"),
+    # vLLM extensions we do not implement: refused, never silently ignored.
+    ({"extra_body": {"min_tokens": 5}}, "min_tokens"),
+    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ({"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
+    ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
 ]
 
 
@@ -217,6 +222,8 @@ BAD_CHATS = [
     ({"n": 0}, "n"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x " * MAX_MODEL_LEN}]}, "prompt"),
+    ({"extra_body": {"add_generation_prompt": False}}, "add_generation_prompt"),
+    ({"extra_body": {"min_tokens": 1}}, "min_tokens"),
 ]
 
 
@@ -226,6 +233,19 @@ def test_bad_chat_parameters_get_400(client, model, change, field):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**kwargs)
     assert info.value.status_code == 400 and field in info.value.body["message"]
+
+
+def test_vllm_extensions_at_their_neutral_values_are_served(client, model):
+    """A vLLM client often sends these with their defaults: that is no request to refuse."""
+    neutral = {"min_tokens": 0, "skip_special_tokens": True, "use_beam_search": False,
+               "include_stop_str_in_output": False, "bad_words": [], "some_vendor_field": 1}  # fmt: skip
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body=neutral)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"add_generation_prompt": True, "continue_final_message": False},
+    )  # fmt: skip
+    assert chat.choices[0].message.role == "assistant"
 
 
 def test_malformed_bodies_unknown_routes_and_methods(server):

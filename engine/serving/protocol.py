@@ -137,6 +137,23 @@ class _SamplingRequest(_Model):
     frequency_penalty: Real | None = None
     logit_bias: dict[str, Real] | None = None
     user: str | None = None
+    # vLLM's extensions we do not implement, kept (as anything) only to refuse them: see
+    # NOT_HONORED_VLLM_FIELDS.
+    min_tokens: Any = None
+    use_beam_search: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -167,6 +184,9 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool = False  # a completions parameter: refused here (400) rather than ignored
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    add_generation_prompt: Any = None  # vLLM (not honored: NOT_HONORED_VLLM_FIELDS)
+    continue_final_message: Any = None
+    chat_template: Any = None
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -269,7 +289,46 @@ def field_of(message: str) -> str | None:
     return head.strip() if sep and head.strip().isidentifier() else None
 
 
+# vLLM's request extensions that change the tokens or the answer's shape, with the values that
+# change neither (what we serve anyway). Unknown fields are ignored (extra="ignore"), but these
+# a vLLM client sends on purpose: min_tokens=10 ignored would let a reply end at 3 tokens and
+# look like an answer. So any other value gets a 400 naming the field. The ones we implement
+# (top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty) are fields of their own above.
+NOT_HONORED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
+    "min_tokens": (None, 0),
+    "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "add_generation_prompt": (None, True),  # chat only, as the three below
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+}
+
+
+def _reject_not_honored(req: _SamplingRequest) -> None:
+    for name, neutral in NOT_HONORED_VLLM_FIELDS.items():
+        value = getattr(req, name, None)
+        # `is` for booleans: 0 == False, and min_tokens=false is no count.
+        if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
+            raise bad_request(
+                f"{name}: not supported (a vLLM extension this engine does not implement)",
+                param=name,
+            )
+
+
 def _reject_unsupported(req: _SamplingRequest) -> None:
+    _reject_not_honored(req)
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise bad_request(f"{name}: not supported; use repetition_penalty", param=name)
