@@ -35,6 +35,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (not included in the output text)
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens (included in token_ids)
     ignore_eos: bool = False  # keep going past EOS (benchmarks with exact lengths)
+    # Tokens generated before any stop may end the request (vLLM's min_tokens): until then the
+    # stop tokens (EOS unless ignore_eos, stop_token_ids) are masked out of the sampled
+    # distribution and neither stop tokens nor stop strings end it. In [0, max_tokens].
+    min_tokens: int = 0
     # > 1 discourages tokens already in prompt or output; in [MIN_, MAX_REPETITION_PENALTY]
     repetition_penalty: float = 1.0
     # Log-probabilities of the raw model logits (before penalty and temperature: see
@@ -58,6 +62,9 @@ class SamplingParams:
         )
         _check_int("max_tokens", self.max_tokens, 1, None)
         _check_int("n", self.n, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, None)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens={self.max_tokens}")
         if not (_is_real(self.temperature) and self.temperature == 0):
             _check_real("temperature", self.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE,
                         "0 (greedy) or ")  # fmt: skip
@@ -255,6 +262,19 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def below_min_tokens(self) -> bool:
+        """Whether the request still owes tokens before a stop may end it (min_tokens)."""
+        return self.num_output_tokens < self.params.min_tokens
+
+    def masked_stop_token_ids(self, num_ahead: int = 0) -> tuple[int, ...]:
+        """The tokens the sampler masks out of the output token `num_ahead` past the next one:
+        the stop tokens, while that token would still fall below min_tokens; else none."""
+        if self.num_output_tokens + num_ahead >= self.params.min_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return (*self.params.stop_token_ids, *eos)
 
     @property
     def num_tokens(self) -> int:

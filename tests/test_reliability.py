@@ -429,10 +429,10 @@ def test_a_request_whose_draft_verification_raises_fails_alone(make_llm, monkeyp
     )
     real_verify = runner_module.verify
 
-    def verify(logits, draft, params, generator, history=(), draft_probs=None):
+    def verify(logits, draft, params, generator, history=(), draft_probs=None, masked=None):
         if history and history[0] == 7:  # repetition_penalty set: history is the tokens
             raise RuntimeError("injected verify failure")
-        return real_verify(logits, draft, params, generator, history, draft_probs)
+        return real_verify(logits, draft, params, generator, history, draft_probs, masked)
 
     monkeypatch.setattr(runner_module, "verify", verify)
     alone = llm.generate(PROMPTS[:3], GREEDY)

@@ -197,7 +197,7 @@ BAD_COMPLETIONS = [
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"suffix": "x"}, "suffix"),
     # vLLM extensions we do not implement: refused, never silently ignored.
-    ({"extra_body": {"min_tokens": 5}}, "min_tokens"),
+    ({"extra_body": {"min_tokens": 5}, "max_tokens": 4}, "min_tokens"),  # more than max_tokens
     ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
     ({"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
     ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
@@ -223,7 +223,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x " * MAX_MODEL_LEN}]}, "prompt"),
     ({"extra_body": {"add_generation_prompt": False}}, "add_generation_prompt"),
-    ({"extra_body": {"min_tokens": 1}}, "min_tokens"),
+    ({"extra_body": {"bad_words": ["x"]}}, "bad_words"),
 ]
 
 

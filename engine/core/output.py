@@ -96,7 +96,9 @@ class OutputProcessor:
         """Detokenize up to the last output token; True when a stop string ended the request."""
         new_text = detokenize_new(self.tokenizer, request, final=final)
         params = request.params
-        cut = find_stop(request.output_text, params.stop, len(new_text)) if new_text else None
+        if not new_text or request.below_min_tokens:  # min_tokens: no stop string before them
+            return False
+        cut = find_stop(request.output_text, params.stop, len(new_text))
         if cut is None:
             return False
         request.output_text = request.output_text[:cut]

@@ -29,7 +29,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.request import Request, SamplingParams
-from engine.runner.sampler import apply_repetition_penalty, draw_token, logits_to_probs, uniform
+from engine.runner.sampler import (
+    apply_repetition_penalty,
+    draw_token,
+    logits_to_probs,
+    mask_tokens,
+    uniform,
+)
 
 
 class NgramProposer:
@@ -118,9 +124,14 @@ def verify(
     generator: torch.Generator | None,
     history: Sequence[int] = (),  # prompt + output so far (for the repetition penalty)
     draft_probs: torch.Tensor | None = None,  # [k, V] q_0 .. q_{k-1}; None = one-hot drafts
+    masked_token_ids: Sequence[Sequence[int]] | None = None,  # per row (min_tokens' stops)
 ) -> list[int]:
-    """The tokens this step produces for one request: accepted drafts plus one more."""
+    """The tokens this step produces for one request: accepted drafts plus one more. Masked
+    tokens have no target mass, so a draft of one is rejected and never drawn again: the
+    tokens keep the distribution one-token decoding with the same mask gives."""
     assert logits.shape[0] == len(draft) + 1, "one row of logits per draft token, plus one"
+    if masked_token_ids is not None and any(masked_token_ids):
+        logits = mask_tokens(logits, masked_token_ids)
     probs = _target_probs(logits, draft, params, history)
     if params.greedy:  # keep drafts while they are the argmax; then the argmax itself
         targets = probs.argmax(dim=-1).tolist()

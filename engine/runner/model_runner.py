@@ -364,6 +364,7 @@ class ModelRunner:
                         logits[first : first + len(drafts) + 1], drafts, r.params,
                         self._generator(r), _penalty_history(r),
                         proposal.probs if proposal is not None else None,
+                        [r.masked_stop_token_ids(i) for i in range(len(drafts) + 1)],
                     )  # fmt: skip
                 except Exception as exc:  # verification is per request already
                     fail_request(r, "draft verification", exc, result)
@@ -401,6 +402,7 @@ class ModelRunner:
                 [_penalty_history(r) for r in requests],
                 self.layer_ops.argmax_rows,
                 self.layer_ops.sample_rows,
+                [r.masked_stop_token_ids() for r in requests],
             )
         except Exception:
             for gen, state in zip(generators, states, strict=True):
@@ -420,7 +422,7 @@ class ModelRunner:
                 token = sample(
                     logits[row : row + 1], [r.params], [self._generator(r)],
                     [_penalty_history(r)], self.layer_ops.argmax_rows,
-                    self.layer_ops.sample_rows,
+                    self.layer_ops.sample_rows, [r.masked_stop_token_ids()],
                 )[0]  # fmt: skip
             except Exception as exc:
                 fail_request(r, "sampling", exc, result)

@@ -1,6 +1,7 @@
 """Sampling as pure functions over a batch of logits [B, V] (float32 or the head's dtype).
 
-Order (as in vLLM / HF): repetition penalty -> temperature -> min-p -> top-k -> top-p -> draw.
+Order (as in vLLM / HF): stop tokens masked (min_tokens) -> repetition penalty -> temperature
+-> min-p -> top-k -> top-p -> draw.
 Each request draws from its own torch.Generator, so a seeded request gets the same tokens
 whatever else shares its batch.
 """
@@ -25,6 +26,18 @@ def apply_repetition_penalty(
         ids = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
         vals = logits[row, ids]
         logits[row, ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def mask_tokens(logits: torch.Tensor, masked: Sequence[Sequence[int]]) -> torch.Tensor:
+    """A copy of logits with each row's `masked` token ids at -inf (no mass, never the argmax):
+    the stop tokens of a request below its min_tokens. The copy keeps the dtype (-inf is a
+    bfloat16 and float16 value too)."""
+    logits = logits.clone()
+    for row, ids in enumerate(masked):
+        if ids:
+            index = torch.tensor(sorted(set(ids)), dtype=torch.long, device=logits.device)
+            logits[row, index] = float("-inf")
     return logits
 
 
@@ -135,12 +148,16 @@ def sample(
     seen_token_ids: Sequence[Sequence[int]] | None = None,
     argmax: Argmax | None = None,
     sample_rows: SampleRows | None = None,
+    masked_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> list[int]:
     """Pick one token per row of logits [B, V] (float32, or the head's 16-bit output: greedy
     rows compare them as they are, everything else works in float32). Greedy rows take the
     argmax (through `argmax`, see greedy_tokens); others draw with their generator, one uniform
     each, through `sample_rows` where given (CPU logits) or logits_to_probs + draw_tokens: the
-    same distribution either way."""
+    same distribution either way. `masked_token_ids`: per row, tokens that may not be picked
+    (see mask_tokens); a row's empty sequence masks nothing."""
+    if masked_token_ids is not None and any(masked_token_ids):
+        logits = mask_tokens(logits, masked_token_ids)
     if seen_token_ids is not None and any(p.repetition_penalty != 1.0 for p in params):
         logits = apply_repetition_penalty(
             logits.float(), seen_token_ids, [p.repetition_penalty for p in params]

@@ -129,6 +129,7 @@ class _SamplingRequest(_Model):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension (vLLM)
     ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens
+    min_tokens: Count | None = None  # extension (vLLM): tokens before any stop may end it
     repetition_penalty: Real | None = None  # extension (vLLM)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -139,7 +140,6 @@ class _SamplingRequest(_Model):
     user: str | None = None
     # vLLM's extensions we do not implement, kept (as anything) only to refuse them: see
     # NOT_HONORED_VLLM_FIELDS.
-    min_tokens: Any = None
     use_beam_search: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
@@ -291,11 +291,11 @@ def field_of(message: str) -> str | None:
 
 # vLLM's request extensions that change the tokens or the answer's shape, with the values that
 # change neither (what we serve anyway). Unknown fields are ignored (extra="ignore"), but these
-# a vLLM client sends on purpose: min_tokens=10 ignored would let a reply end at 3 tokens and
-# look like an answer. So any other value gets a 400 naming the field. The ones we implement
-# (top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty) are fields of their own above.
+# a vLLM client sends on purpose: guided_json ignored would give free text that looks like an
+# answer. So any other value gets a 400 naming the field. The ones we implement
+# (top_k, min_p, ignore_eos, min_tokens, stop_token_ids, repetition_penalty) are fields of
+# their own above.
 NOT_HONORED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
-    "min_tokens": (None, 0),
     "use_beam_search": (None, False),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
@@ -388,6 +388,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int) -> Any:
             stop=req.stop or (),
             stop_token_ids=req.stop_token_ids or (),
             ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens or 0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
