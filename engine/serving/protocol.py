@@ -319,7 +319,8 @@ NOT_HONORED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
 def _reject_not_honored(req: _SamplingRequest) -> None:
     for name, neutral in NOT_HONORED_VLLM_FIELDS.items():
         value = getattr(req, name, None)
-        # `is` for booleans: 0 == False, and min_tokens=false is no count.
+        # Same type and value, or the same object: 0 == False in Python, but use_beam_search=0
+        # is no boolean (and the API's types are strict).
         if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
             raise bad_request(
                 f"{name}: not supported (a vLLM extension this engine does not implement)",
