@@ -268,13 +268,19 @@ class Request:
         """Whether the request still owes tokens before a stop may end it (min_tokens)."""
         return self.num_output_tokens < self.params.min_tokens
 
-    def masked_stop_token_ids(self, num_ahead: int = 0) -> tuple[int, ...]:
-        """The tokens the sampler masks out of the output token `num_ahead` past the next one:
-        the stop tokens, while that token would still fall below min_tokens; else none."""
-        if self.num_output_tokens + num_ahead >= self.params.min_tokens:
-            return ()
+    @property
+    def ending_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end this request when generated: its stop_token_ids, and EOS
+        unless ignore_eos."""
         eos = () if self.params.ignore_eos else self.eos_token_ids
         return (*self.params.stop_token_ids, *eos)
+
+    def masked_stop_token_ids(self, num_ahead: int = 0) -> tuple[int, ...]:
+        """The tokens the sampler masks out of the output token `num_ahead` past the next one:
+        the ending tokens, while that token would still fall below min_tokens; else none."""
+        if self.num_output_tokens + num_ahead >= self.params.min_tokens:
+            return ()
+        return self.ending_token_ids
 
     @property
     def num_tokens(self) -> int:

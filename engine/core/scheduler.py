@@ -440,10 +440,8 @@ class Scheduler:
 
     def _token_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
-        stops = not request.below_min_tokens  # min_tokens: no stop before them
-        if stops and token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if stops and not params.ignore_eos and token in request.eos_token_ids:
+        # min_tokens: no stop before them.
+        if not request.below_min_tokens and token in request.ending_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
