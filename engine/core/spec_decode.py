@@ -130,8 +130,7 @@ def verify(
     tokens have no target mass, so a draft of one is rejected and never drawn again: the
     tokens keep the distribution one-token decoding with the same mask gives."""
     assert logits.shape[0] == len(draft) + 1, "one row of logits per draft token, plus one"
-    if masked_token_ids is not None and any(masked_token_ids):
-        logits = mask_tokens(logits, masked_token_ids)
+    logits = mask_tokens(logits, masked_token_ids)
     probs = _target_probs(logits, draft, params, history)
     if params.greedy:  # keep drafts while they are the argmax; then the argmax itself
         targets = probs.argmax(dim=-1).tolist()

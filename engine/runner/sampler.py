@@ -29,10 +29,13 @@ def apply_repetition_penalty(
     return logits
 
 
-def mask_tokens(logits: torch.Tensor, masked: Sequence[Sequence[int]]) -> torch.Tensor:
+def mask_tokens(logits: torch.Tensor, masked: Sequence[Sequence[int]] | None) -> torch.Tensor:
     """A copy of logits with each row's `masked` token ids at -inf (no mass, never the argmax):
     the stop tokens of a request below its min_tokens. The copy keeps the dtype (-inf is a
-    bfloat16 and float16 value too)."""
+    bfloat16 and float16 value too). Nothing masked (None, or only empty rows): logits
+    itself, no copy."""
+    if masked is None or not any(masked):
+        return logits
     logits = logits.clone()
     for row, ids in enumerate(masked):
         if ids:
@@ -156,8 +159,7 @@ def sample(
     each, through `sample_rows` where given (CPU logits) or logits_to_probs + draw_tokens: the
     same distribution either way. `masked_token_ids`: per row, tokens that may not be picked
     (see mask_tokens); a row's empty sequence masks nothing."""
-    if masked_token_ids is not None and any(masked_token_ids):
-        logits = mask_tokens(logits, masked_token_ids)
+    logits = mask_tokens(logits, masked_token_ids)
     if seen_token_ids is not None and any(p.repetition_penalty != 1.0 for p in params):
         logits = apply_repetition_penalty(
             logits.float(), seen_token_ids, [p.repetition_penalty for p in params]
