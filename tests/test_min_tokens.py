@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_output import CharTokenizer, ids
 
 from engine import LLM, SamplingParams
 from engine.core import spec_decode
@@ -147,25 +148,20 @@ def test_speculative_decoding_passes_each_rows_mask(monkeypatch):
     assert not any(masks[-1])  # by the last step, min_tokens is met
 
 
-class CharTokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join("xyzabcde"[i] for i in ids)
-
-
 def test_stop_strings_wait_for_min_tokens():
     """'ab' completes at the 2nd token, below min_tokens=3: the request goes on; the next 'ab'
     (tokens 4-5) ends it."""
     sched = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
     processor = OutputProcessor(CharTokenizer(), sched)
     params = SamplingParams(max_tokens=10, stop="ab", min_tokens=3, ignore_eos=True)
-    request = Request("r", [0, 1], params, arrival_time=0.0, max_total_tokens=64)
+    request = Request("r", ids("xy"), params, arrival_time=0.0, max_total_tokens=64)
     processor.start(request)
     sched.add_request(request)
     deltas = []
-    for token in [3, 4, 5, 3, 4, 6]:  # a b c a b d
+    for token in ids("abcabd"):
         out = sched.schedule()
         deltas += processor.process(sched.update(out, {"r": [token]}, now=1.0))
         if request.finished:
             break
     assert request.finished and deltas[-1].finish_reason == "stop"
-    assert request.output_token_ids == [3, 4, 5, 3, 4] and deltas[-1].text == "abc"
+    assert request.output_token_ids == ids("abcab") and deltas[-1].text == "abc"
