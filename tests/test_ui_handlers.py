@@ -181,8 +181,11 @@ def test_gauge_and_queue_table():
 
 def test_timeline_cdf_gantt_and_throughput_figures():
     steps = [_step(0, "prefill", 1), *(_step(i, "decode", 3) for i in range(1, 6))]
-    fig = batch_timeline_figure(steps)
+    fig = batch_timeline_figure(steps, window_s=2.0)  # bins of 1/60 s: a bar per step
     assert list(fig.data[0].y) == [64, 0, 0, 0, 0, 0] and list(fig.data[1].y)[1] == 3
+    assert fig.layout.yaxis.title.text == "tokens in the step" and fig.data[0].customdata[0] == (
+        "step 0"
+    )
     assert "send a message" in batch_timeline_figure([]).layout.annotations[0].text.lower()
     cdf = cdf_figure({"TTFT": {"x": [3.0, 1.0, 2.0]}})
     assert list(cdf.data[0].x) == [1.0, 1.0, 2.0, 3.0] and cdf.data[0].y[-1] == 1.0
@@ -273,6 +276,26 @@ def test_batch_timeline_in_seconds_ago_over_a_window_with_whole_request_ticks():
     assert fig.layout.yaxis2.dtick == 1 and fig.layout.yaxis2.tickformat == "d"
     idle = batch_timeline_figure(old, now_s, window_s=30.0)
     assert "idle" in idle.layout.annotations[0].text
+
+
+def test_batch_timeline_bars_are_a_bin_wide_so_a_chat_shows_on_a_long_window():
+    """A chat's ~26 ms steps on the default 2-minute axis: one bar per step was a fifth of a
+    pixel wide and the chart looked empty. Steps sharing a bin are summed, and every bar is
+    drawn a bin wide (a lone bar too, which plotly would draw at its own default width)."""
+    chat = [
+        dataclasses.replace(_step(i, "decode", 1), start_time=0.026 * i) for i in range(80)
+    ]  # ~2.1 s of steps
+    fig = batch_timeline_figure(chat, chat[-1].start_time, window_s=120.0)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert {t.width for t in bars} == {0.9}  # 0.9 of the 1-second bin
+    assert len(bars[1].x) == 3 and sum(bars[1].y) == 80
+    assert fig.layout.yaxis.title.text == "tokens per 1 s" and bars[1].customdata[-1].endswith(
+        "steps"
+    )
+    lone = batch_timeline_figure(chat[:1], chat[0].start_time + 5.0, window_s=30.0)
+    assert lone.data[0].width == pytest.approx(0.9 * 30.0 / 120)
+    edge = batch_timeline_figure(chat[:1], chat[0].start_time + 120.0, window_s=120.0)
+    assert -120 < edge.data[0].x[0] < 0  # a step at the window's very edge stays on the axis
 
 
 def test_chat_helpers():

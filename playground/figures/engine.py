@@ -22,35 +22,30 @@ NUM_TIME_BINS = 120  # bars per chart, whatever the step rate: the payload stays
 def batch_timeline_figure(
     steps: Sequence[StepStats], now_s: float | None = None, window_s: float = 120.0
 ) -> go.Figure:
-    """Prefill vs decode tokens of each step, or per time bin when more than NUM_TIME_BINS
-    steps fall in the window (stacked bars), and the batch size (line, right axis; the largest
-    of a bin), in wall-clock seconds before now_s (time.perf_counter(), the clock of
-    StepStats.start_time) over the last window_s: a load test is not squeezed against old chat
-    steps as it was on a step axis. Dict traces: rebuilt every second on the live tab."""
+    """Prefill vs decode tokens per time bin of window_s / NUM_TIME_BINS seconds (stacked
+    bars; each step's own tokens when no two steps share a bin), and the batch size (line,
+    right axis; the largest of a bin), in wall-clock seconds before now_s (time.perf_counter(),
+    the clock of StepStats.start_time) over the last window_s: a load test is not squeezed
+    against old chat steps as it was on a step axis. Bars are a bin wide: one bar per 26 ms
+    step on a 2-minute axis was a fifth of a pixel, and a chat's steps did not show at all.
+    Dict traces: rebuilt every second on the live tab."""
     now_s = now_s if now_s is not None else (steps[-1].start_time if steps else 0.0)
     bin_s = window_s / NUM_TIME_BINS
     recent = [s for s in steps if 0.0 <= now_s - s.start_time <= window_s]
     title = f"Batch composition, {_window_text(window_s)}"
     if not recent:
         return empty_figure(EMPTY_HINT if not steps else _idle_hint(window_s), title)
-    if len(recent) <= NUM_TIME_BINS:  # one bar per step, at its start
-        x = [s.start_time - now_s for s in recent]
-        prefill = [s.num_prefill_tokens for s in recent]
-        decode = [s.num_decode_tokens for s in recent]
-        batch = [s.batch_size for s in recent]
-        meta = [f"step {s.step_index}" for s in recent]
-        preempted = [s.num_preemptions for s in recent]
-        copied = [s.num_block_copies for s in recent]
-        y_title = "tokens in the step"
-    else:  # busy: bins of window / NUM_TIME_BINS seconds, sums of tokens, largest batch
-        x, prefill, decode, batch, meta, preempted, copied = _binned(recent, now_s, bin_s)
-        y_title = f"tokens per {bin_s:g} s"
+    x, prefill, decode, batch, meta, preempted, copied = _binned(recent, now_s, bin_s)
+    # Sparse (every step alone in its bin): a step's own tokens; else sums per bin.
+    alone = len(x) == len(recent)
+    y_title = "tokens in the step" if alone else f"tokens per {bin_s:g} s"
     hover = "%{x:.1f} s<br>%{y} %{fullData.name} (%{customdata})<extra></extra>"
+    width = 0.9 * bin_s  # explicit: plotly's own width follows the closest bars, one bar alone
     traces: list[dict] = [
         {"type": "bar", "x": x, "y": prefill, "name": "prefill tokens", "customdata": meta,
-         "marker": {"color": KIND_COLORS["prefill"]}, "hovertemplate": hover},
+         "width": width, "marker": {"color": KIND_COLORS["prefill"]}, "hovertemplate": hover},
         {"type": "bar", "x": x, "y": decode, "name": "decode tokens", "customdata": meta,
-         "marker": {"color": KIND_COLORS["decode"]}, "hovertemplate": hover},
+         "width": width, "marker": {"color": KIND_COLORS["decode"]}, "hovertemplate": hover},
         {"type": "scatter", "x": x, "y": batch, "yaxis": "y2",
          "name": "largest batch (requests)", "mode": "lines",
          "line": {"color": "#111827", "width": 1.5, "shape": "hv"},
@@ -75,7 +70,6 @@ def batch_timeline_figure(
     max_batch = max(batch)
     layout = {
         "barmode": "stack",
-        "bargap": 0.05,
         "xaxis": {"title": {"text": "seconds ago"}, "range": [-window_s, 0],
                   "ticksuffix": " s"},
         "yaxis": {"title": {"text": y_title}, "rangemode": "tozero"},
@@ -91,23 +85,26 @@ def batch_timeline_figure(
 
 def _binned(steps: list[StepStats], now_s: float, bin_s: float) -> tuple[list, ...]:
     """Per non-empty bin: center (seconds ago, < 0), prefill and decode token sums, largest
-    batch, "<n> steps", preemptions, copy-on-write block copies."""
+    batch, "<n> steps" (or "step <index>" for a step alone), preemptions, copy-on-write block
+    copies."""
     bins: dict[int, list[int]] = {}
     for s in steps:
-        b = bins.setdefault(int((now_s - s.start_time) / bin_s), [0, 0, 0, 0, 0, 0])
+        i = min(int((now_s - s.start_time) / bin_s), NUM_TIME_BINS - 1)  # the window's edge
+        b = bins.setdefault(i, [0, 0, 0, 0, 0, 0, 0])
         b[0] += s.num_prefill_tokens
         b[1] += s.num_decode_tokens
         b[2] = max(b[2], s.batch_size)
         b[3] += 1
         b[4] += s.num_preemptions
         b[5] += s.num_block_copies
+        b[6] = s.step_index
     order = sorted(bins, reverse=True)  # oldest first
     return (
         [-(i + 0.5) * bin_s for i in order],
         [bins[i][0] for i in order],
         [bins[i][1] for i in order],
         [bins[i][2] for i in order],
-        [f"{bins[i][3]} steps" for i in order],
+        [f"step {bins[i][6]}" if bins[i][3] == 1 else f"{bins[i][3]} steps" for i in order],
         [bins[i][4] for i in order],
         [bins[i][5] for i in order],
     )
