@@ -50,6 +50,7 @@ from playground.handlers.loadtest import (
     spec_from_form,
     summary_rows,
 )
+from playground.handlers.roofline import caption
 from playground.loadgen import EngineTarget, LoadTestResult, RequestResult, WorkloadSpec
 
 # gradio's queue trips pandas 3 deprecations of its own; not ours to fix.
@@ -186,6 +187,8 @@ def test_timeline_cdf_gantt_and_throughput_figures():
     assert fig.layout.yaxis.title.text == "tokens in the step" and fig.data[0].customdata[0] == (
         "step 0"
     )
+    assert fig.layout.title.text.endswith("(6 steps)")
+    assert batch_timeline_figure(steps[:1]).layout.title.text.endswith("(1 step)")
     assert "send a message" in batch_timeline_figure([]).layout.annotations[0].text.lower()
     cdf = cdf_figure({"TTFT": {"x": [3.0, 1.0, 2.0]}})
     assert list(cdf.data[0].x) == [1.0, 1.0, 2.0, 3.0] and cdf.data[0].y[-1] == 1.0
@@ -207,6 +210,8 @@ def test_roofline_points_by_kind_with_fraction_of_roof():
     assert decode.marker.size[1] > decode.marker.size[0]  # bigger batch, bigger point
     assert "of the roof" in decode.text[0] and "FLOPs" in decode.text[0]
     assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
+    text = caption(ceilings, "bfloat16", steps, "cpu")
+    assert "1 prefill step (median" in text and "2 decode steps (median" in text
 
 
 # --- pure handlers ----------------------------------------------------------------------------
@@ -722,6 +727,8 @@ def test_live_summary_reports_prefix_cache_hits_once_used():
     base = dict(num_kv_blocks=64, num_free_kv_blocks=60, block_size=16, kv_cache_bytes=1 << 20,
                 num_running=1, num_waiting=0, num_preemptions_total=0, num_steps_total=3)  # fmt: skip
     assert "prefix cache" not in summary_markdown(EngineStats(**base), 4)
+    one = EngineStats(**base, steps=[dataclasses.replace(_step(0, "decode", 1), duration_s=0.026)])
+    assert "last step: decode, 1 request, 1 token, 26.0 ms" in summary_markdown(one, 4)
     stats = EngineStats(**base, num_prefix_query_tokens_total=400, num_prefix_hit_tokens_total=300,
                         num_cached_kv_blocks=12, num_prefix_evictions_total=2)  # fmt: skip
     assert "prefix cache: 300 of 400 prompt tokens hit (75 %), 12 blocks cached, 2 evicted" in (

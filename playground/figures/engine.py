@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 
 from engine.telemetry.stats import EngineStats, RequestProgress, StepStats
-from playground.figures.style import KIND_COLORS, base_layout, empty_figure
+from playground.figures.style import KIND_COLORS, base_layout, empty_figure, plural
 
 EMPTY_HINT = "No engine steps yet: send a message in Chat or run a load test."
 
@@ -80,7 +80,7 @@ def batch_timeline_figure(
                    "showgrid": False},
     }  # fmt: skip
     fig = go.Figure(data=traces, layout=layout)
-    return base_layout(fig, f"{title} ({len(recent)} steps)", height=300)
+    return base_layout(fig, f"{title} ({plural(len(recent), 'step')})", height=300)
 
 
 def _binned(steps: list[StepStats], now_s: float, bin_s: float) -> tuple[list, ...]:
@@ -104,7 +104,7 @@ def _binned(steps: list[StepStats], now_s: float, bin_s: float) -> tuple[list, .
         [bins[i][0] for i in order],
         [bins[i][1] for i in order],
         [bins[i][2] for i in order],
-        [f"step {bins[i][6]}" if bins[i][3] == 1 else f"{bins[i][3]} steps" for i in order],
+        [f"step {bins[i][6]}" if bins[i][3] == 1 else plural(bins[i][3], "step") for i in order],
         [bins[i][4] for i in order],
         [bins[i][5] for i in order],
     )

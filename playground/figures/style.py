@@ -115,6 +115,11 @@ def empty_figure(message: str, title: str | None = None, height: int = 240) -> g
     return base_layout(fig, title, height)
 
 
+def plural(count: int, noun: str) -> str:
+    """plural(1, "step") -> '1 step', plural(3, "step") -> '3 steps' (nouns taking an -s)."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
 def fmt_si(value: float, unit: str = "") -> str:
     """1.2e12 -> '1.20 T' + unit: compact numbers for hover text."""
     for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):

@@ -24,7 +24,7 @@ from playground.figures.engine import (
     batch_timeline_figure,
     queue_html,
 )
-from playground.figures.style import fmt_bytes
+from playground.figures.style import fmt_bytes, plural
 
 
 @dataclass
@@ -55,7 +55,8 @@ def summary_markdown(stats: EngineStats, num_used_blocks: int) -> str:
     pct = 100.0 * num_used_blocks / stats.num_kv_blocks if stats.num_kv_blocks else 0.0
     last = stats.steps[-1] if stats.steps else None
     step = (
-        f"last step: {last.kind}, {last.batch_size} requests, {last.num_tokens} tokens, "
+        f"last step: {last.kind}, {plural(last.batch_size, 'request')}, "
+        f"{plural(last.num_tokens, 'token')}, "
         f"{last.duration_s * 1e3:.1f} ms"
         if last
         else "no step yet: send a message in Chat or run a load test"

@@ -21,7 +21,7 @@ from engine.telemetry.ceilings import (
 )
 from engine.telemetry.stats import StepStats
 from playground.figures.roofline import roofline_figure
-from playground.figures.style import fmt_si
+from playground.figures.style import fmt_si, plural
 
 MEASURED = "this device (measured)"
 
@@ -129,7 +129,9 @@ def caption(ceilings: DeviceCeilings, dtype: str, steps: Sequence[StepStats], de
                 roof_fraction(ceilings, dtype, s.flops, s.bytes_moved, s.duration_s) for s in chosen
             ]
             kinds[kind] = (len(chosen), statistics.median(fractions))
-    points = ", ".join(f"{n} {k} steps (median {f:.1%} of the roof)" for k, (n, f) in kinds.items())
+    points = ", ".join(
+        f"{plural(n, f'{k} step')} (median {f:.1%} of the roof)" for k, (n, f) in kinds.items()
+    )
     source = (
         f"Roof: {ceilings.source}. Ridge at {ceilings.ridge_point(dtype):.3g} FLOP/B "
         f"(peak {fmt_si(ceilings.peak(dtype), 'FLOP/s')} / bandwidth "
