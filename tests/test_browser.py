@@ -206,4 +206,9 @@ def test_roofline_latency_and_kv_calculator(page, shot):
     page.locator("#tab-kv").get_by_role("combobox", name="Model").click()
     page.get_by_role("option", name="the loaded model").click()
     wait_text(page, "#kv-engine", r"which matches the allocation", 20)
+    # Llama-3-8B's 4,096-token context moved down to the embedded model's max_model_len.
+    context = page.locator("#tab-kv").get_by_label("Context length (tokens per request)")
+    expect(context).to_have_value("1024", timeout=10_000)
+    wait_text(page, "#kv-formula", r"smollm2-135m \(loaded\)", 20)
+    expect(page.locator("#kv-formula")).not_to_contain_text("Check the form")
     shot(page, "kv_calculator")

@@ -34,8 +34,11 @@ from playground.handlers.chat_engine import stream_reply
 from playground.handlers.compare import SideOutcome, compare_rows
 from playground.handlers.compare_engine import engine_sides, preset_sides, side_config
 from playground.handlers.kv import (
+    CUSTOM_MODEL,
+    DEFAULT_CUSTOM,
     LOADED_MODEL,
     MODEL_PRESETS,
+    TABLE_CORNER,
     engine_pool_markdown,
     formula_markdown,
     parse_inputs,
@@ -529,6 +532,40 @@ def test_engine_pool_matches_the_formula(service):
     md = engine_pool_markdown(engine_info(service), 512)
     assert "which matches the allocation" in md
     assert "Requests of 512 tokens that fit at once: **8**" in md  # 256 x 16 / 512
+    info = engine_info(service)
+    too_long = engine_pool_markdown(info, info.max_model_len + 1)
+    assert (
+        f"fit at once: **0** (longer than this engine's max_model_len of {info.max_model_len:,}"
+        in (too_long)
+    )
+
+
+def test_kv_calculator_clears_its_outputs_on_a_form_error_and_fits_the_context(service):
+    """Picking the loaded model (max_model_len 1,024) while the context field held Llama-3-8B's
+    4,096 tokens left the Llama chart and table beside the error; now the field moves down to
+    the model's maximum, and a form error clears every output."""
+    from playground.engine_info import engine_info
+    from playground.handlers.kv_view import calculator_view, context_for_model
+
+    info = engine_info(service)
+    form = ("Llama-3-8B (GQA)", "as the model", 4096, 32, "bf16 / fp16 (2 B)",
+            "bf16 / fp16 (2 B)", "H100 SXM 80GB", 0.9)  # fmt: skip
+    view = calculator_view(form, DEFAULT_CUSTOM, info, None)
+    assert view.formula.startswith("#### Llama-3-8B") and len(view.bars.data) > 0
+    assert view.headers[0] == TABLE_CORNER and len(view.rows) == 7
+    assert "Pick **the loaded model**" in view.engine
+    bad = calculator_view((LOADED_MODEL, *form[1:]), DEFAULT_CUSTOM, info, None)
+    assert bad.formula.startswith("**Check the form:** context length: 4,096 tokens")
+    assert not bad.bars.data and "Check the form" in bad.bars.layout.annotations[0].text
+    assert bad.rows == [] and bad.headers == [TABLE_CORNER] and bad.engine == ""
+    assert context_for_model(LOADED_MODEL, 4096, info, DEFAULT_CUSTOM) == info.max_model_len
+    assert context_for_model(LOADED_MODEL, 512, info, DEFAULT_CUSTOM) is None
+    assert context_for_model("Llama-3-8B (GQA)", 10**6, info, DEFAULT_CUSTOM) == 8192
+    assert context_for_model(CUSTOM_MODEL, 10**6, info, DEFAULT_CUSTOM) is None  # no limit
+    assert context_for_model(LOADED_MODEL, None, info, DEFAULT_CUSTOM) is None  # the form says
+    fitted = calculator_view((LOADED_MODEL, form[1], info.max_model_len, *form[3:]),
+                             DEFAULT_CUSTOM, info, None)  # fmt: skip
+    assert "which matches the allocation" in fitted.engine
 
 
 def test_header_says_where_the_weights_come_from_and_their_precision(service):

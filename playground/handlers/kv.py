@@ -83,6 +83,7 @@ BYTES_PER_ELEMENT = {
 VARIANTS = ("as the model", "MHA", "GQA", "MQA")
 TABLE_BATCH_SIZES = (1, 8, 16, 32, 64, 128, 256)
 TABLE_CONTEXT_LENS = (512, 2048, 4096, 8192, 32768, 131072)
+TABLE_CORNER = "batch \\ context"  # the table's first header: rows are batches, columns contexts
 
 
 def loaded_preset(info: EngineInfo) -> ModelPreset:
@@ -329,7 +330,7 @@ def table_rows(x: KVInputs) -> tuple[list[str], list[list[str]]]:
         return limit is not None and n > limit
 
     headers = [
-        "batch \\ context",
+        TABLE_CORNER,
         *(f"{n:,} (> model max)" if past(n) else f"{n:,}" for n in TABLE_CONTEXT_LENS),
     ]
     rows = []
@@ -372,6 +373,9 @@ def engine_pool_markdown(info: EngineInfo, seq_len: int) -> str:
         per_request_blocks = -(-info.max_model_len // block_size)
         fits = info.num_kv_blocks // per_request_blocks
         how = f"contiguous: each request reserves max_model_len = {info.max_model_len} tokens"
+    elif seq_len > info.max_model_len:  # other presets' contexts reach here too
+        fits = 0
+        how = f"longer than this engine's max_model_len of {info.max_model_len:,} tokens"
     else:
         fits = pool_tokens // seq_len
         how = f"paged: floor({pool_tokens:,} tokens / {seq_len:,})"

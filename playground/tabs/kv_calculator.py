@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import gradio as gr
 
 from playground.context import AppContext
-from playground.figures.kv import memory_bars_figure
 from playground.handlers.kv import (
     BYTES_PER_ELEMENT,
     CUSTOM_MODEL,
@@ -18,13 +17,9 @@ from playground.handlers.kv import (
     LOADED_MODEL,
     VARIANTS,
     CustomModel,
-    engine_pool_markdown,
-    formula_markdown,
-    parse_inputs,
     preset_names,
-    remote_pool_markdown,
-    table_rows,
 )
+from playground.handlers.kv_view import calculator_view, context_for_model
 
 
 def create_ui(ctx: AppContext) -> SimpleNamespace:
@@ -82,29 +77,16 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
 
 
 def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
+    base_url = ctx.remote.base_url if ctx.remote else None
+
     def compute(model, variant, seq_len, batch, kv_dtype, weight_dtype, gpu, fraction, *custom):
-        try:
-            x = parse_inputs(
-                model, variant, seq_len, batch, kv_dtype, weight_dtype, gpu, fraction, ctx.info,
-                CustomModel(*custom),
-            )  # fmt: skip
-        except ValueError as e:  # shown in the formula panel: no error badge, no traceback
-            return f"**Check the form:** {e}", gr.skip(), gr.skip(), gr.skip()
-        headers, rows = table_rows(x)
-        if ctx.info is None:
-            engine_md = remote_pool_markdown(ctx.remote.base_url if ctx.remote else "none")
-        else:
-            engine_md = engine_pool_markdown(ctx.info, x.seq_len)
-        if ctx.info is not None and model != LOADED_MODEL:
-            engine_md = (
-                f"Pick **{LOADED_MODEL}** to put this engine's real KV pool beside the formula."
-                f"\n\n{engine_md}"
-            )
+        form = (model, variant, seq_len, batch, kv_dtype, weight_dtype, gpu, fraction)
+        view = calculator_view(form, CustomModel(*custom), ctx.info, base_url)
         return (
-            f"#### {x.preset.name}\n\n{formula_markdown(x)}",
-            memory_bars_figure(x),
-            gr.Dataframe(value=rows, headers=headers),
-            engine_md,
+            view.formula,
+            view.bars,
+            gr.Dataframe(value=view.rows, headers=view.headers),
+            view.engine,
         )
 
     inputs = [
@@ -124,9 +106,10 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
     ]
     outputs = [ui.formula, ui.bars, ui.table, ui.engine]
 
-    def model_fields(model):
+    def model_fields(model, seq_len, *custom):
         """The custom shape's fields for a custom model; the KV element is the engine's own
-        for the loaded model (a leftover choice must not change the formula)."""
+        for the loaded model (a leftover choice must not change the formula); the context
+        length down to the model's maximum when it held more."""
         loaded = model == LOADED_MODEL
         kv = gr.Dropdown(
             interactive=not loaded,
@@ -134,10 +117,16 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             if loaded
             else "KV cache element",
         )
-        return gr.Group(visible=model == CUSTOM_MODEL), kv
+        context = context_for_model(model, seq_len, ctx.info, CustomModel(*custom))
+        seq = gr.skip() if context is None else gr.Number(value=context)
+        return gr.Group(visible=model == CUSTOM_MODEL), kv, seq
 
+    custom_fields = inputs[-5:]
     ui.model.change(
-        model_fields, ui.model, [ui.custom_group, ui.kv_dtype], api_visibility="private"
+        model_fields,
+        [ui.model, ui.seq_len, *custom_fields],
+        [ui.custom_group, ui.kv_dtype, ui.seq_len],
+        api_visibility="private",
     )
     for component in inputs:
         component.change(
