@@ -124,14 +124,18 @@ def launch(
     block: bool = True,
     **kwargs: Any,
 ) -> Any:
-    """demo.launch with the playground's CSS; no public share link unless asked."""
+    """demo.launch with the playground's CSS; no public share link unless asked. show_error:
+    the handlers turn bad form values into messages of their own, so what reaches Gradio is a
+    value no form can send (an API client's string for a slider: "Expected a `float`...") or a
+    bug; either is better named to the caller than hidden behind Gradio's "the upstream app
+    has raised an exception"."""
     return demo.launch(
         server_name=host,
         server_port=port,
         share=share,
         prevent_thread_lock=not block,
         css_paths=[CSS_PATH],
-        show_error=False,
+        show_error=True,
         quiet=not block,
         **kwargs,
     )

@@ -622,8 +622,14 @@ def test_api_chat_stop_aborts_and_frees_blocks(client, service):
 
 
 def test_api_bad_values_give_messages_not_tracebacks(client):
+    from gradio_client.exceptions import AppError
+
     _, _, status = client.predict("hi", "", 0.7, 0.9, -1, 2.5, 1, api_name="/chat")
     assert "Not sent" in status and "max_tokens" in status
+    # A value no form sends (a string for a slider) is named, not hidden behind Gradio's
+    # "the upstream app has raised an exception" (show_error).
+    with pytest.raises(AppError, match="Expected a `float`"):
+        client.predict("hi", "", "abc", 0.9, -1, 8, 1, api_name="/chat")
     args = dict(num_prompts=0, max_concurrency=0, seed=0, arrival="all at once",
                 request_rate=1, burstiness=1, input_kind="fixed", input_mean=8, input_low=1,
                 input_high=8, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
