@@ -186,6 +186,7 @@ def test_compare_static_vs_continuous(page, shot):
     for side in ("a", "b"):
         owners = page.locator(f"#compare-map-{side} .legendtext", has_text="req-")
         expect(owners.first).to_be_visible(timeout=10_000)
+    expect(page.get_by_role("button", name="Download results (JSON)")).to_be_visible()
     shot(page, "compare")
 
 

@@ -692,8 +692,16 @@ def test_background_compare_runs_both_sides_and_keeps_peak_maps(service):
         assert side.error is None and side.result.summary()["completed"] == 3
         assert side.peak is not None and side.peak.num_blocks == 64
         assert side.peak.num_blocks - side.peak.num_free >= 3  # three prompts held at once
-    rows = {r[0]: r for r in compare_rows(a, b)}
+    table = compare_rows(a, b)
+    rows = {r[0]: r for r in table}
     assert rows["Successful requests"][1:3] == ["3", "3"]
+    from playground.handlers.compare_export import write_compare_json
+
+    with open(write_compare_json(spec, 1, cmp.outcomes, table), encoding="utf-8") as f:
+        saved = json.load(f)  # the Compare tab's download
+    assert [s["config"]["batching"] for s in saved["sides"]] == ["static", "continuous"]
+    assert saved["sides"][0]["runs"][0]["summary"]["completed"] == 3
+    assert saved["table"]["rows"] == table
 
 
 def test_compare_prefix_caching_computes_only_the_uncached_prompt_tokens(service):

@@ -222,7 +222,7 @@ def test_app_compare_two_servers(app, server):
     assert "Not started" in status and "B base URL" in status
     _, status, *_ = client.predict(server.url, "", "", 6, *values, api_name="/compare")
     assert "Not started" in status and "runs per side: at most 5" in status
-    progress, status, table, _, _ = client.predict(
+    progress, status, table, _, _, download = client.predict(
         server.url, "", "", 2, *values, api_name="/compare"
     )
     rows = {r[0]: r for r in table["data"]}
@@ -230,3 +230,11 @@ def test_app_compare_two_servers(app, server):
     assert "Engine steps" not in rows and "Peak KV blocks held" not in rows
     assert "Done" in status and "2 run(s) per side" in status, status
     assert "3 / 3 requests done" in progress and "ran them 2 time(s)" in progress, progress
+    with open(download["value"], encoding="utf-8") as f:  # the whole compare, as a file
+        saved = json.load(f)
+    assert saved["kind"] == "compare" and saved["runs_per_side"] == 2
+    assert saved["table"]["rows"] == table["data"] and saved["spec"]["num_prompts"] == 3
+    for side in saved["sides"]:
+        assert side["config"] is None and side["error"] is None  # remote: the label says which
+        assert [run["summary"]["completed"] for run in side["runs"]] == [3, 3]
+        assert len(side["runs"][0]["per_request"]) == 3

@@ -274,9 +274,14 @@ def summary_rows(summary: Mapping[str, Any]) -> list[list[str]]:
 
 def write_result_json(result: LoadTestResult, prefix: str = "loadtest") -> str:
     """The full result (spec, summary, every request's timeline) in a fresh temp file."""
+    return write_download(result.to_json(), prefix)
+
+
+def write_download(json_text: str, prefix: str) -> str:
+    """json_text in a fresh temp file named <prefix>-<time>.json (a download button's value)."""
     folder = Path(tempfile.mkdtemp(prefix="playground-"))
     path = folder / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(result.to_json(), encoding="utf-8")
+    path.write_text(json_text, encoding="utf-8")
     return str(path)
 
 

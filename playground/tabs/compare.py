@@ -45,6 +45,7 @@ from playground.handlers.compare_engine import (
     side_config,
     side_label,
 )
+from playground.handlers.compare_export import write_compare_json
 from playground.handlers.loadtest import LENGTH_FIELDS, progress_html, spec_from_form
 from playground.loadgen import build_requests
 from playground.tabs.benchmark import BENCHMARK_QUEUE, stop_handler
@@ -209,6 +210,8 @@ def run_controls(ui: SimpleNamespace, status: str, results_label: str, max_heigh
         elem_id="compare-results",
         max_height=max_height,
     )
+    # Shown once a compare finishes: the workload, both configurations, every repeat.
+    ui.download = gr.DownloadButton("Download results (JSON)", visible=False)
 
 
 def client_figures(outcomes: list[SideOutcome], cdfs_title: str) -> tuple:
@@ -330,7 +333,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             requests = build_requests(spec, ctx.service.tokenizer)
         except ValueError as e:
             gr.Warning(str(e))
-            yield (skip, f"**Not started:** {e}", *[skip] * 6)
+            yield (skip, f"**Not started:** {e}", *[skip] * (len(outputs) - 2))
             return
         sides = [
             ("A", side_label("A", side_a, side_b), cfg_a),
@@ -338,6 +341,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ]
         engines = engine_sides(sides, ctx.make_service)
         cmp = BackgroundCompare(spec, engines, requests, num_repeats).start()
+        yield (*[skip] * (len(outputs) - 1), gr.DownloadButton(visible=False))  # the previous file
         async with aclosing(follow(cmp, current, len(outputs))) as updates:
             async for update in updates:
                 yield update
@@ -350,7 +354,14 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ) + cmp.problems()
         figures = await asyncio.to_thread(_figures, cmp.outcomes)
         rows = compare_rows(a, b, headline=headline)
-        yield (cmp.final_progress(), status, rows, *figures)
+        path = await asyncio.to_thread(write_compare_json, spec, num_repeats, cmp.outcomes, rows)
+        yield (
+            cmp.final_progress(),
+            status,
+            rows,
+            *figures,
+            gr.DownloadButton(value=path, visible=True),
+        )
 
     side_inputs = [*ui.side_a.values(), *ui.side_b.values()]
     preset_outputs = [
@@ -362,7 +373,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         *ui.form.values(),
     ]
     ui.preset.change(apply_preset, ui.preset, preset_outputs, api_visibility="private")
-    outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate, ui.batch, ui.map_a, ui.map_b]
+    outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate, ui.batch, ui.map_a, ui.map_b,
+               ui.download]  # fmt: skip
     inputs = [ui.preset, ui.kv_budget, ui.max_model_len, ui.repeats, *side_inputs]
     inputs += list(ui.form.values())
     ui.run.click(run_compare, inputs, outputs, api_name="compare", **BENCHMARK_QUEUE)

@@ -12,6 +12,7 @@ import gradio as gr
 
 from playground.context import AppContext
 from playground.handlers.compare import BackgroundCompare, runs_per_side
+from playground.handlers.compare_export import write_compare_json
 from playground.handlers.compare_remote import (
     RemoteSide,
     caching_markdown,
@@ -98,9 +99,10 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             )
         except ValueError as e:
             gr.Warning(str(e))
-            yield skip, f"**Not started:** {e}", skip, skip, skip
+            yield (skip, f"**Not started:** {e}", *[skip] * (len(outputs) - 2))
             return
         cmp = BackgroundCompare(spec, sides, requests, num_repeats).start()
+        yield (*[skip] * (len(outputs) - 1), gr.DownloadButton(visible=False))  # the previous file
         async with aclosing(follow(cmp, current, len(outputs))) as updates:
             async for update in updates:
                 yield update
@@ -117,10 +119,19 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         cdfs, rate = await asyncio.to_thread(
             client_figures, cmp.outcomes, "Latency CDFs, A vs B (client)"
         )
-        yield cmp.final_progress(), status, remote_compare_rows(first, second), cdfs, rate
+        rows = remote_compare_rows(first, second)
+        path = await asyncio.to_thread(write_compare_json, spec, num_repeats, cmp.outcomes, rows)
+        yield (
+            cmp.final_progress(),
+            status,
+            rows,
+            cdfs,
+            rate,
+            gr.DownloadButton(value=path, visible=True),
+        )
 
     inputs = [ui.b_url, ui.b_model, ui.b_key, ui.repeats, *ui.form.values()]
-    outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate]
+    outputs = [ui.progress, ui.status, ui.results, ui.cdfs, ui.rate, ui.download]
     ui.run.click(run_compare, inputs, outputs, api_name="compare", **BENCHMARK_QUEUE)
     stop = stop_compare(current)
     ui.stop.click(stop, None, ui.status, concurrency_limit=None, api_name="stop_compare")
