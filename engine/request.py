@@ -16,6 +16,8 @@ MIN_TOP_P = 1e-6  # smaller keeps only the top token anyway; float32 zero would 
 MAX_TOP_K = 2**31 - 1  # values above the vocabulary keep every token
 MIN_REPETITION_PENALTY = 1e-2  # logits / penalty must stay finite in float32
 MAX_REPETITION_PENALTY = 100.0
+MAX_ADDITIVE_PENALTY = 2.0  # presence / frequency penalty magnitude (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a bias's magnitude (OpenAI's range: +-100 bans or forces a token)
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most 64 bits
 # Most alternatives returned per token (OpenAI's top_logprobs cap, vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -41,7 +43,16 @@ class SamplingParams:
     min_tokens: int = 0
     # > 1 discourages tokens already in prompt or output; in [MIN_, MAX_REPETITION_PENALTY]
     repetition_penalty: float = 1.0
-    # Log-probabilities of the raw model logits (before penalty and temperature: see
+    # OpenAI's additive penalties on the output so far (not the prompt, as OpenAI and vLLM):
+    # logit -= presence_penalty once a token appeared, and frequency_penalty x its count. In
+    # [-MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY]; negative values encourage repeats.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Added to the logits of these token ids before anything else: -100 bans a token, +100
+    # all but forces it. A mapping {token id: bias} (ids as ints or strings of ints, as the
+    # OpenAI API sends them), stored as sorted (id, bias) pairs so the params stay hashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities of the raw model logits (before bias, penalties and temperature: see
     # docs/logprobs.md). None = off; k in [0, MAX_LOGPROBS] = each generated token's logprob
     # and rank plus the k most likely tokens at its position.
     logprobs: int | None = None
@@ -76,6 +87,9 @@ class SamplingParams:
         _check_real("min_p", self.min_p, 0.0, 1.0)
         _check_real("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
                     MAX_REPETITION_PENALTY)  # fmt: skip
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name), -MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED, "None or ")
         if any(not s for s in self.stop):
@@ -92,6 +106,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether a logit bias or a penalty applies (engine/runner/sampler.py's
+        apply_penalties), so the sampler needs the request's token history."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+        )
 
 
 def _is_real(x: object) -> bool:
@@ -113,6 +138,31 @@ def _check_real(name: str, value: object, low: float, high: float, alt: str = ""
     """`value` is a finite int or float (not a bool, not a string) in [low, high]."""
     if not _is_real(value) or not low <= value <= high:
         raise ValueError(f"{name}: must be {alt}a number in [{low:g}, {high:g}], got {value!r}")
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs: from a mapping (ids as ints or decimal
+    strings, as JSON object keys arrive), or pairs already normalized."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list | tuple) and all(
+        isinstance(x, tuple | list) and len(x) == 2 for x in value
+    ):
+        items = [tuple(x) for x in value]
+    else:
+        raise ValueError(f"logit_bias: must map token ids to biases, got {value!r}")
+    pairs = {}
+    for key, bias in items:
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {key!r}")
+        if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: token {token}'s bias must be a number in "
+                             f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")  # fmt: skip
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _as_tuple(name: str, value: object, kind: type) -> tuple:

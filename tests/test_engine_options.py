@@ -72,3 +72,55 @@ def test_text_needs_a_tokenizer(tmp_path):
     with pytest.raises(ValueError, match=r"^messages: model .* has no chat template"):
         llm.chat([{"role": "user", "content": "hi"}])
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].finished
+
+
+def test_logit_bias_forces_and_bans_tokens(llm_f32):
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = llm_f32.generate(["The capital of France is"], greedy)[0].token_ids
+    forced = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={42: 100})
+    assert llm_f32.generate(["The capital of France is"], forced)[0].token_ids == [42] * 6
+    banned = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                            logit_bias={str(plain[0]): -100})  # fmt: skip
+    assert llm_f32.generate(["The capital of France is"], banned)[0].token_ids[0] != plain[0]
+    with pytest.raises(ValueError, match=r"logit_bias: token id 10000000 is outside"):
+        llm_f32.generate(["x"], SamplingParams(logit_bias={10_000_000: 1.0}))
+
+
+def test_frequency_penalty_breaks_a_repetition(llm_f32):
+    """The greedy continuation of a counting loop repeats its tokens; a frequency penalty (on
+    the output only) pushes the reply to other tokens, a negative one does not."""
+    prompt = "1, 2, 1, 2, 1, 2, 1, 2,"
+
+    def distinct(**penalty) -> int:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **penalty)
+        return len(set(llm_f32.generate([prompt], params)[0].token_ids))
+
+    plain = distinct()
+    assert distinct(frequency_penalty=2.0) > plain
+    assert distinct(frequency_penalty=-2.0) <= plain  # negative values encourage repeats
+
+
+def test_penalties_give_the_same_tokens_with_speculative_decoding(monkeypatch):
+    """Verification applies each drafted position's penalties with the drafts before it counted
+    as output, so greedy tokens equal one-token decoding's. The drafts are the true
+    continuation (a proposer that knows it), so each is accepted only if its row's penalties
+    are the ones one-token decoding applied."""
+    from engine.core import spec_decode
+
+    prompt = [5, 6, 7, 8] * 6
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                            frequency_penalty=0.3, presence_penalty=0.2,
+                            logit_bias={9: 0.5})  # fmt: skip
+    kwargs = dict(model="random:tiny", dtype="float32", num_kv_blocks=32, max_model_len=128)
+    want = LLM(**kwargs).generate([prompt], params)[0].token_ids
+    assert len(set(want)) > 2  # the penalties are at work: no single repeated token
+
+    def propose(token_ids, k, min_n, max_n):
+        done = len(token_ids) - len(prompt)
+        return list(want[done : done + k])
+
+    monkeypatch.setattr(spec_decode, "propose_ngram", propose)
+    spec = LLM(**kwargs, speculative_method="ngram", num_speculative_tokens=3)
+    assert spec.generate([prompt], params)[0].token_ids == want
+    stats = spec.stats()
+    assert stats.num_accepted_tokens_total >= 12  # most drafts checked and kept

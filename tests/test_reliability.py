@@ -430,7 +430,7 @@ def test_a_request_whose_draft_verification_raises_fails_alone(make_llm, monkeyp
     real_verify = runner_module.verify
 
     def verify(logits, draft, params, generator, history=(), draft_probs=None, masked=None):
-        if history and history[0] == 7:  # repetition_penalty set: history is the tokens
+        if history.token_ids and history.token_ids[0] == 7:  # repetition_penalty set
             raise RuntimeError("injected verify failure")
         return real_verify(logits, draft, params, generator, history, draft_probs, masked)
 

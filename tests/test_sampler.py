@@ -8,7 +8,14 @@ import torch
 from benchmarks.sampling import reference_probs
 from engine.request import SamplingParams
 from engine.runner import sampler
-from engine.runner.sampler import apply_repetition_penalty, greedy_tokens, logits_to_probs, sample
+from engine.runner.sampler import (
+    NO_HISTORY,
+    TokenHistory,
+    apply_penalties,
+    greedy_tokens,
+    logits_to_probs,
+    sample,
+)
 
 
 def probs_for(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
@@ -53,8 +60,55 @@ def test_temperature_sharpens():
 
 def test_repetition_penalty_signs():
     logits = torch.tensor([[2.0, -2.0, 1.0]])
-    out = apply_repetition_penalty(logits, [[0, 1]], [2.0])
+    out = apply_penalties(
+        logits, [SamplingParams(repetition_penalty=2.0)], [TokenHistory([0, 1], 2)]
+    )
     assert out.tolist() == [[1.0, -4.0, 1.0]]
+
+
+def test_logit_bias_then_frequency_and_presence_on_the_output_only():
+    """OpenAI's definitions: logit - frequency x count - presence x (count > 0), counted over
+    the output so far (token 3 is only in the prompt); the bias is added first."""
+    logits = torch.zeros(2, 6)
+    params = [
+        SamplingParams(frequency_penalty=0.5, presence_penalty=1.0, logit_bias={"4": 2.0}),
+        SamplingParams(),  # untouched
+    ]
+    history = TokenHistory([3, 3, 1, 2, 1, 1], output_start=2)  # output: 1, 2, 1, 1
+    out = apply_penalties(logits, params, [history, NO_HISTORY])
+    assert out[0].tolist() == [0.0, -2.5, -1.5, 0.0, 2.0, 0.0]  # 1: 3 x 0.5 + 1; 2: 0.5 + 1
+    assert out[1].tolist() == [0.0] * 6
+    assert apply_penalties(logits, [SamplingParams()] * 2) is logits  # nothing to do: no copy
+    presence = apply_penalties(logits[:1], [SamplingParams(presence_penalty=1.0)], [history])
+    assert presence[0].tolist() == [0.0, -1.0, -1.0, 0.0, 0.0, 0.0]  # once, whatever the count
+    negative = SamplingParams(frequency_penalty=-1.0)  # encourages repeats
+    assert apply_penalties(logits[:1], [negative], [history])[0, 1] == 3.0
+
+
+def test_logit_bias_forces_and_bans_in_sampling():
+    logits = torch.tensor([[5.0, 0.0, 0.0, 1.0]])
+    assert sample(logits, [SamplingParams(temperature=0.0, logit_bias={2: 100})], [None]) == [2]
+    banned = SamplingParams(temperature=1.0, logit_bias={0: -100}, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    assert all(sample(logits, [banned], [gen])[0] != 0 for _ in range(50))
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"logit_bias": {"abc": 1.0}}, "logit_bias: keys must be token ids"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias: keys must be token ids"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias: token 5's bias"),
+        ({"logit_bias": {5: True}}, "logit_bias: token 5's bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias: must map token ids to biases"),
+    ],
+)
+def test_penalty_and_bias_fields_are_checked(fields, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**fields)
+    assert SamplingParams(logit_bias={"7": -1, 3: 2.5}).logit_bias == ((3, 2.5), (7, -1.0))
 
 
 def test_seeded_draw_ignores_the_rest_of_the_batch():

@@ -177,6 +177,22 @@ def test_sampling_options(client, model):
     assert stop not in cut.choices[0].text and full.startswith(cut.choices[0].text)
 
 
+def test_logit_bias_and_openai_penalties_are_honored(client, model, llm):
+    """OpenAI's own sampling fields: logit_bias with token-id string keys, presence and
+    frequency penalties, each giving what the engine gives for the same SamplingParams."""
+    greedy = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    forced = client.completions.create(**greedy, logit_bias={"314": 100})
+    assert forced.choices[0].logprobs.tokens == [llm.tokenizer.decode([314])] * 8
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    first = plain[0].token_ids[0]
+    fields = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={str(first): -100})
+    served = client.completions.create(**greedy, **fields).choices[0].text
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **fields)
+    assert served == llm.generate([PROMPT], params)[0].text
+    assert served != plain[0].text  # the first greedy token was banned
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 BAD_COMPLETIONS = [
@@ -194,7 +210,11 @@ BAD_COMPLETIONS = [
     ({"stop": [""]}, "stop"),
     ({"extra_body": {"seed": "abc"}}, "seed"),
     ({"logprobs": 21}, "logprobs"),  # above MAX_LOGPROBS (tests/test_server_logprobs.py)
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's range: [-2, 2]
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),  # keys are token ids
+    ({"logit_bias": {"5": 101}}, "logit_bias"),  # biases in [-100, 100]
+    ({"logit_bias": {"1000000": 1}}, "logit_bias"),  # outside the vocabulary
     ({"suffix": "x"}, "suffix"),
     # vLLM extensions we do not implement: refused, never silently ignored.
     ({"extra_body": {"min_tokens": 5}, "max_tokens": 4}, "min_tokens"),  # more than max_tokens

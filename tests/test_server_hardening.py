@@ -490,6 +490,13 @@ SAMPLING = {
     "stop": field(st.lists(odd_text, max_size=3)),
     "stop_token_ids": field(st.lists(st.integers(0, 49151), max_size=3)),
     "repetition_penalty": field(st.floats(0.5, 2)),
+    "presence_penalty": field(st.floats(-2.5, 2.5)),
+    "frequency_penalty": field(st.floats(-2.5, 2.5)),
+    "logit_bias": field(  # keys: ids in and out of the vocabulary, and junk
+        st.dictionaries(
+            st.integers(-1, 60000).map(str) | odd_text, st.floats(-120, 120), max_size=3
+        )
+    ),
     "stream": field(st.booleans()),
     "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "model": field(st.sampled_from(["random:tiny", "nope"])),

@@ -8,6 +8,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.core.spec_decode import propose_ngram, verify
+from engine.runner.sampler import TokenHistory
 
 # --- propose ----------------------------------------------------------------------------------
 
@@ -50,7 +51,19 @@ def test_greedy_verify_with_repetition_penalty_counts_earlier_drafts():
     logits = torch.tensor([[0.0, 3.0, 2.9], [0.0, 3.0, 2.9]])
     params = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=2.0)
     # Row 0: token 1 wins (nothing seen); row 1 has seen token 1: 3.0 / 2 < 2.9, token 2 wins.
-    assert verify(logits, [1], params, None, history=[0]) == [1, 2]
+    assert verify(logits, [1], params, None, history=TokenHistory([0], 1)) == [1, 2]
+
+
+def test_greedy_verify_with_frequency_penalty_counts_earlier_drafts_as_output():
+    """The same for the additive penalties, which count the output only: draft 0 is output."""
+    logits = torch.tensor([[0.0, 3.0, 2.9], [0.0, 3.0, 2.9]])
+    params = SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=0.2)
+    # Token 1 already in the output: 3.0 - 0.2 < 2.9 at row 0, the draft is rejected.
+    assert verify(logits, [1], params, None, history=TokenHistory([0, 1], 1)) == [2]
+    # Token 1 in the prompt only: row 0 keeps it; row 1 counts draft 0 as output.
+    assert verify(logits, [1], params, None, history=TokenHistory([1], 1)) == [1, 2]
+    bias = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={2: 0.2})
+    assert verify(logits, [2], bias, None) == [2, 2]
 
 
 @pytest.mark.slow

@@ -194,6 +194,12 @@ class LLMEngine:
                 f"n: {params.n} sequences exceed max_num_seqs={self.config.max_num_seqs}, the "
                 "most that run at once (all n of a request run together)"
             )
+        vocab = self.source.arch.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted: the largest id
+            raise ValueError(
+                f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "
+                f"[0, {vocab})"
+            )
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         blocks = self.block_manager.max_blocks_for(max_total)
         if params.n > 1 and blocks * params.n > self.block_manager.num_blocks:

@@ -30,7 +30,9 @@ import torch
 from engine.config import EngineConfig
 from engine.request import Request, SamplingParams
 from engine.runner.sampler import (
-    apply_repetition_penalty,
+    NO_HISTORY,
+    TokenHistory,
+    apply_penalties,
     draw_token,
     logits_to_probs,
     mask_tokens,
@@ -122,7 +124,7 @@ def verify(
     draft: Sequence[int],  # d_1 .. d_k
     params: SamplingParams,
     generator: torch.Generator | None,
-    history: Sequence[int] = (),  # prompt + output so far (for the repetition penalty)
+    history: TokenHistory = NO_HISTORY,  # prompt + output so far (for the penalties)
     draft_probs: torch.Tensor | None = None,  # [k, V] q_0 .. q_{k-1}; None = one-hot drafts
     masked_token_ids: Sequence[Sequence[int]] | None = None,  # per row (min_tokens' stops)
 ) -> list[int]:
@@ -164,15 +166,16 @@ def verify(
 
 
 def _target_probs(
-    logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, history: Sequence[int]
+    logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, history: TokenHistory
 ) -> torch.Tensor:
     """p_0 .. p_k after the request's processing (for greedy requests the penalized logits,
-    compared only by argmax). Row i's repetition penalty also counts the drafts before it, as
-    one-token decoding would have seen them."""
+    compared only by argmax). Row i's penalties also count the drafts before it, as one-token
+    decoding would have seen them."""
     rows = logits.shape[0]
-    if params.repetition_penalty != 1.0:
-        seen = [[*history, *draft[:i]] for i in range(rows)]
-        logits = apply_repetition_penalty(logits.float(), seen, [params.repetition_penalty] * rows)
+    if params.changes_logits:
+        token_ids, start = history
+        histories = [TokenHistory([*token_ids, *draft[:i]], start) for i in range(rows)]
+        logits = apply_penalties(logits, [params] * rows, histories)
     if params.greedy:
         return logits
     device = logits.device

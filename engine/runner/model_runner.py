@@ -33,7 +33,7 @@ from engine.runner.models.prepack import PrepackedLinear
 from engine.runner.onednn_cache import bound_onednn_caches
 from engine.runner.quant import QuantSummary
 from engine.runner.quant.linear import QuantLinear
-from engine.runner.sampler import sample
+from engine.runner.sampler import NO_HISTORY, TokenHistory, sample
 from engine.runner.step_io import RunnerOutput, StepInputs, fail_request
 
 logger = logging.getLogger(__name__)
@@ -529,6 +529,9 @@ def _has_fp8(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _penalty_history(request: Request) -> list[int] | tuple[()]:
-    """The tokens a repetition penalty looks at; () when the request has none (no copy)."""
-    return request.all_token_ids if request.params.repetition_penalty != 1.0 else ()
+def _penalty_history(request: Request) -> TokenHistory:
+    """The tokens its penalties look at (prompt, then output); none when the request has no
+    penalty (all_token_ids copies them)."""
+    if not request.params.changes_logits:
+        return NO_HISTORY
+    return TokenHistory(request.all_token_ids, request.num_prompt_tokens)

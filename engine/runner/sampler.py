@@ -1,7 +1,7 @@
 """Sampling as pure functions over a batch of logits [B, V] (float32 or the head's dtype).
 
-Order (as in vLLM / HF): stop tokens masked (min_tokens) -> repetition penalty -> temperature
--> min-p -> top-k -> top-p -> draw.
+Order (as in vLLM): stop tokens masked (min_tokens) -> logit bias -> repetition penalty ->
+frequency and presence penalties -> temperature -> min-p -> top-k -> top-p -> draw.
 Each request draws from its own torch.Generator, so a seeded request gets the same tokens
 whatever else shares its batch.
 """
@@ -9,23 +9,55 @@ whatever else shares its batch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from engine.request import SamplingParams
 
 
-def apply_repetition_penalty(
-    logits: torch.Tensor, seen_token_ids: Sequence[Sequence[int]], penalties: Sequence[float]
+class TokenHistory(NamedTuple):
+    """What a row's penalties look at: its request's tokens so far, prompt then output
+    (Request.all_token_ids), and where the output starts. The repetition penalty counts every
+    token; frequency and presence penalties only the output (as OpenAI and vLLM)."""
+
+    token_ids: Sequence[int]
+    output_start: int
+
+
+NO_HISTORY = TokenHistory((), 0)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory] | None = None,
 ) -> torch.Tensor:
-    """CTRL-style penalty on tokens already seen: divide positive logits, multiply negative."""
-    logits = logits.clone()
-    for row, (seen, penalty) in enumerate(zip(seen_token_ids, penalties, strict=True)):
-        if penalty == 1.0 or not seen:
+    """Each row's logit bias, repetition penalty, then frequency and presence penalties, in
+    float32 (SamplingParams.changes_logits says which rows have any). Rows without any are
+    left as they are; no row with any: logits itself, no copy."""
+    if not any(p.changes_logits for p in params):
+        return logits
+    logits = logits.float().clone()
+    device = logits.device
+    for row, p in enumerate(params):
+        if not p.changes_logits:
             continue
-        ids = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
-        vals = logits[row, ids]
-        logits[row, ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        history = histories[row] if histories is not None else NO_HISTORY
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            index = torch.tensor(ids, dtype=torch.long, device=device)
+            logits[row, index] += torch.tensor(biases, dtype=torch.float32, device=device)
+        if p.repetition_penalty != 1.0 and history.token_ids:
+            ids = torch.tensor(sorted(set(history.token_ids)), dtype=torch.long, device=device)
+            vals = logits[row, ids]
+            penalty = p.repetition_penalty
+            logits[row, ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        output = history.token_ids[history.output_start :]
+        if (p.frequency_penalty or p.presence_penalty) and output:
+            ids, counts = torch.tensor(list(output), dtype=torch.long).unique(return_counts=True)
+            ids = ids.to(device)
+            logits[row, ids] -= (p.frequency_penalty * counts + p.presence_penalty).to(device)
     return logits
 
 
@@ -148,7 +180,7 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    seen_token_ids: Sequence[Sequence[int]] | None = None,
+    histories: Sequence[TokenHistory] | None = None,
     argmax: Argmax | None = None,
     sample_rows: SampleRows | None = None,
     masked_token_ids: Sequence[Sequence[int]] | None = None,
@@ -157,13 +189,11 @@ def sample(
     rows compare them as they are, everything else works in float32). Greedy rows take the
     argmax (through `argmax`, see greedy_tokens); others draw with their generator, one uniform
     each, through `sample_rows` where given (CPU logits) or logits_to_probs + draw_tokens: the
-    same distribution either way. `masked_token_ids`: per row, tokens that may not be picked
-    (see mask_tokens); a row's empty sequence masks nothing."""
-    logits = mask_tokens(logits, masked_token_ids)
-    if seen_token_ids is not None and any(p.repetition_penalty != 1.0 for p in params):
-        logits = apply_repetition_penalty(
-            logits.float(), seen_token_ids, [p.repetition_penalty for p in params]
-        )
+    same distribution either way. `histories`: per row, what its penalties look at (see
+    apply_penalties; None: no history, a logit bias still applies). `masked_token_ids`: per
+    row, tokens that may not be picked (see mask_tokens); a row's empty sequence masks
+    nothing."""
+    logits = apply_penalties(mask_tokens(logits, masked_token_ids), params, histories)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     some_greedy = len(random_rows) < len(params)  # else no argmax over the whole batch
     tokens = greedy_tokens(logits, argmax) if some_greedy else [0] * len(params)

@@ -330,11 +330,6 @@ def _reject_not_honored(req: _SamplingRequest) -> None:
 
 def _reject_unsupported(req: _SamplingRequest) -> None:
     _reject_not_honored(req)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name}: not supported; use repetition_penalty", param=name)
-    if req.logit_bias:
-        raise bad_request("logit_bias: not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise bad_request("suffix: not supported", param="suffix")
@@ -391,6 +386,9 @@ def sampling_params(req: _SamplingRequest, max_tokens: int) -> Any:
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens or 0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=req.logit_bias,  # {"<token id>": bias}; SamplingParams parses the ids
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             n=req.n,  # > max_num_seqs: the engine's "n: ..." ValueError, a 400 naming n
