@@ -38,7 +38,7 @@ def apply_penalties(
     left as they are; no row with any: logits itself, no copy."""
     if not any(p.changes_logits for p in params):
         return logits
-    logits = logits.float().clone()
+    logits = logits.to(torch.float32, copy=True)  # one copy, whatever the dtype
     device = logits.device
     for row, p in enumerate(params):
         if not p.changes_logits:
