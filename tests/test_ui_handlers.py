@@ -638,6 +638,38 @@ def test_api_bad_values_give_messages_not_tracebacks(client):
     assert "Not started" in out[1] and "number of requests" in out[1]
 
 
+def test_forms_that_cannot_run_are_refused_before_any_engine_starts(client, service):
+    """A KV budget beyond the machine's memory and an n above max_num_seqs: 'Not started' with
+    the reason, where a Compare side used to fail with the allocator's message and a load test
+    to report every request failed."""
+    from playground.handlers.compare_checks import (
+        available_memory_bytes,
+        check_kv_budget,
+        check_samples_fit,
+    )
+
+    memory = available_memory_bytes("cpu")
+    assert memory is not None and memory > 1 << 20
+    check_kv_budget(4096, 23_040, memory)  # SmolLM2's 4,096 tokens: 94 MB, fits
+    with pytest.raises(ValueError, match=r"KV budget: 10 tokens are 1000 B of K/V \(100 B a"):
+        check_kv_budget(10, 100, 999)
+    check_kv_budget(10**15, 100, None)  # unknown memory: the engine decides
+    with pytest.raises(ValueError, match="n \\(samples per prompt\\): 5 is more than side B's"):
+        check_samples_fit(5, {"side A": 8, "side B": 4})
+    endpoint = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    defaults = [p.get("parameter_default") for p in endpoint["/compare"]["parameters"]]
+    defaults[1] = 10**12  # KV budget, tokens
+    status = client.predict(*defaults, api_name="/compare")[1]
+    assert status.startswith("**Not started:** KV budget: 1,000,000,000,000 tokens are"), status
+    args = dict(num_prompts=2, max_concurrency=0, seed=0, arrival="all at once",
+                request_rate=1, burstiness=1, input_kind="fixed", input_mean=8, input_low=1,
+                input_high=8, input_std=1, output_kind="fixed", output_mean=2, output_low=1,
+                output_high=4, output_std=1, prefix_len=0, temperature=1, top_p=1, top_k=-1, ignore_eos=True, n=65)  # fmt: skip
+    out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
+    assert "Not started" in out[1] and "the engine's max_num_seqs of 64" in out[1]
+    assert service.stats().num_running == 0
+
+
 def test_api_load_test_live_and_kv_tabs(client):
     args = dict(num_prompts=4, max_concurrency=2, seed=0, arrival="Poisson",
                 request_rate=20, burstiness=1, input_kind="uniform", input_mean=8, input_low=8,

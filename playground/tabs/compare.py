@@ -33,10 +33,16 @@ from playground.handlers.compare import (
     compare_rows,
     runs_per_side,
 )
+from playground.handlers.compare_checks import (
+    available_memory_bytes,
+    check_kv_budget,
+    check_samples_fit,
+)
 from playground.handlers.compare_engine import (
     BLOCK_SIZES,
     DEFAULT_COMPARE_WORKLOAD,
     DEFAULT_PRESET,
+    MODEL_DTYPE_BYTES,
     PRESET_DEFAULTS,
     PRESETS,
     SIDE_FIELDS,
@@ -330,6 +336,14 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             head_dim = ctx.info.shape.head_dim
             cfg_a = side_config(base, side_a, kv_budget, max_model_len, head_dim=head_dim)
             cfg_b = side_config(base, side_b, kv_budget, max_model_len, head_dim=head_dim)
+            shape = ctx.info.shape
+            per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
+            check_kv_budget(
+                int(kv_budget),
+                per_token * MODEL_DTYPE_BYTES.get(ctx.info.dtype, 4),
+                await asyncio.to_thread(available_memory_bytes, ctx.info.device),
+            )
+            check_samples_fit(spec.n, {"side A": cfg_a.max_num_seqs, "side B": cfg_b.max_num_seqs})
             requests = build_requests(spec, ctx.service.tokenizer)
         except ValueError as e:
             gr.Warning(str(e))

@@ -19,6 +19,7 @@ from playground.figures.latency import (
     throughput_figure,
 )
 from playground.figures.style import empty_figure
+from playground.handlers.compare_checks import check_samples_fit
 from playground.handlers.loadtest import (
     DEFAULT_WORKLOAD,
     WORKLOAD_FIELDS,
@@ -138,6 +139,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         skip = gr.skip()
         try:
             spec = spec_from_form(dict(zip(names, values, strict=True)), ctx.max_model_len)
+            if ctx.service is not None:  # remote servers do not say their limit
+                check_samples_fit(spec.n, {"the engine": ctx.service.config.max_num_seqs})
             target = await asyncio.to_thread(ctx.load_test_target)  # remote: loads a tokenizer
         except ValueError as e:
             gr.Warning(str(e))
