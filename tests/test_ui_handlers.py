@@ -621,6 +621,17 @@ def test_api_chat_stop_aborts_and_frees_blocks(client, service):
     assert service.stats().num_free_kv_blocks == 256
 
 
+def _load_test_form(**changes) -> list:
+    """The /load_test endpoint's arguments: a small fixed workload, `changes` applied."""
+    form = dict(num_prompts=4, max_concurrency=0, seed=0, arrival="all at once",
+                request_rate=1, burstiness=1, input_kind="fixed", input_mean=8, input_low=1,
+                input_high=8, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
+                output_high=4, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1,
+                ignore_eos=True, n=1)  # fmt: skip
+    form |= changes
+    return [form[k] for k in WORKLOAD_FIELDS]
+
+
 def test_api_bad_values_give_messages_not_tracebacks(client):
     from gradio_client.exceptions import AppError
 
@@ -630,11 +641,7 @@ def test_api_bad_values_give_messages_not_tracebacks(client):
     # "the upstream app has raised an exception" (show_error).
     with pytest.raises(AppError, match="Expected a `float`"):
         client.predict("hi", "", "abc", 0.9, -1, 8, 1, api_name="/chat")
-    args = dict(num_prompts=0, max_concurrency=0, seed=0, arrival="all at once",
-                request_rate=1, burstiness=1, input_kind="fixed", input_mean=8, input_low=1,
-                input_high=8, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
-                output_high=4, output_std=1, prefix_len=0, temperature=0, top_p=1, top_k=-1, ignore_eos=True, n=1)  # fmt: skip
-    out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
+    out = client.predict(*_load_test_form(num_prompts=0), api_name="/load_test")
     assert "Not started" in out[1] and "number of requests" in out[1]
 
 
@@ -661,21 +668,16 @@ def test_forms_that_cannot_run_are_refused_before_any_engine_starts(client, serv
     defaults[1] = 10**12  # KV budget, tokens
     status = client.predict(*defaults, api_name="/compare")[1]
     assert status.startswith("**Not started:** KV budget: 1,000,000,000,000 tokens are"), status
-    args = dict(num_prompts=2, max_concurrency=0, seed=0, arrival="all at once",
-                request_rate=1, burstiness=1, input_kind="fixed", input_mean=8, input_low=1,
-                input_high=8, input_std=1, output_kind="fixed", output_mean=2, output_low=1,
-                output_high=4, output_std=1, prefix_len=0, temperature=1, top_p=1, top_k=-1, ignore_eos=True, n=65)  # fmt: skip
-    out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
+    form = _load_test_form(num_prompts=2, output_mean=2, temperature=1, n=65)
+    out = client.predict(*form, api_name="/load_test")
     assert "Not started" in out[1] and "the engine's max_num_seqs of 64" in out[1]
     assert service.stats().num_running == 0
 
 
 def test_api_load_test_live_and_kv_tabs(client):
-    args = dict(num_prompts=4, max_concurrency=2, seed=0, arrival="Poisson",
-                request_rate=20, burstiness=1, input_kind="uniform", input_mean=8, input_low=8,
-                input_high=24, input_std=1, output_kind="fixed", output_mean=4, output_low=1,
-                output_high=4, output_std=1, prefix_len=8, temperature=0, top_p=1, top_k=-1, ignore_eos=True, n=1)  # fmt: skip
-    out = client.predict(*(args[k] for k in WORKLOAD_FIELDS), api_name="/load_test")
+    form = _load_test_form(max_concurrency=2, arrival="Poisson", request_rate=20,
+                           input_kind="uniform", input_low=8, input_high=24, prefix_len=8)  # fmt: skip
+    out = client.predict(*form, api_name="/load_test")
     progress, status, _, _, _, table, download = out
     rows = {r[0]: r[1] for r in table["data"]}
     assert rows["Successful requests"] == "4" and float(rows["Output token throughput (tok/s)"]) > 0
