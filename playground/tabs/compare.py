@@ -17,6 +17,7 @@ from engine.config import (
     INT8_WEIGHTS_ACTIVATIONS_MIN_ROWS,
     literal_choices,
 )
+from engine.telemetry.cost import kv_cache_bytes
 from playground.context import AppContext
 from playground.figures.blocks import block_map_figure
 from playground.figures.latency import (
@@ -337,12 +338,13 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             cfg_a = side_config(base, side_a, kv_budget, max_model_len, head_dim=head_dim)
             cfg_b = side_config(base, side_b, kv_budget, max_model_len, head_dim=head_dim)
             shape = ctx.info.shape
-            per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
             check_kv_budget(
                 int(kv_budget),
-                per_token * MODEL_DTYPE_BYTES.get(ctx.info.dtype, 4),
+                # At the model dtype's element size, as kv_budget_blocks counts the budget.
+                kv_cache_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, 1,
+                               MODEL_DTYPE_BYTES[base.dtype]),
                 await asyncio.to_thread(available_memory_bytes, ctx.info.device),
-            )
+            )  # fmt: skip
             check_samples_fit(spec.n, {"side A": cfg_a.max_num_seqs, "side B": cfg_b.max_num_seqs})
             requests = build_requests(spec, ctx.service.tokenizer)
         except ValueError as e:
