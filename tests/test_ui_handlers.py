@@ -332,6 +332,16 @@ def test_chat_fields_use_the_engines_off_convention_and_never_round():
     assert sampling_params(0.7, 0.9, -1, 8, 0).seed == 0
 
 
+def test_chat_penalties_reach_sampling_params_and_bad_ones_are_named():
+    p = sampling_params(0.7, 0.9, -1, 8, -1, 1, 0.5, -0.25, 1.2)
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert not sampling_params(0.7, 0.9, -1, 8, -1).changes_logits  # the form's defaults: off
+    for penalties, field in (((3.0, 0, 1), "frequency_penalty"), ((0, None, 1), "presence"),
+                             ((0, 0, 0.0), "repetition_penalty")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            sampling_params(0.7, 0.9, -1, 8, -1, 1, *penalties)
+
+
 def test_chat_sessions_one_reply_at_a_time_and_clear_makes_the_reply_stale():
     sessions = ChatSessions()
     first = sessions.begin("s1")
@@ -630,6 +640,25 @@ def _load_test_form(**changes) -> list:
                 ignore_eos=True, n=1)  # fmt: skip
     form |= changes
     return [form[k] for k in WORKLOAD_FIELDS]
+
+
+def test_api_chat_penalties_change_a_greedy_reply(client, service):
+    """The Chat tab's penalty sliders reach the engine: each turns a greedy reply into another
+    (at the defaults, the reply the plain call gives)."""
+    from gradio_client import Client
+
+    def reply(*penalties) -> str:
+        fresh = Client(client.src, verbose=False)  # a new session: no earlier turns
+        form = ("List the days of the week, twice.", "", 0.0, 1.0, -1, 24, -1, 1, *penalties)
+        chatbot, _, status = fresh.predict(*form, api_name="/chat")
+        assert status == "", status
+        return chatbot[-1]["content"][0]["text"].split("\n\n<sub>")[0]
+
+    plain = reply()
+    assert reply(0.0, 0.0, 1.0) == plain
+    for penalties in ((1.5, 0.0, 1.0), (0.0, 2.0, 1.0), (0.0, 0.0, 1.5)):
+        assert reply(*penalties) != plain, penalties
+    _wait_idle(service)
 
 
 def test_api_bad_values_give_messages_not_tracebacks(client):

@@ -109,6 +109,43 @@ def test_chat_body_sends_the_form_fields():
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     off = chat_body("m", [], sampling_params(0.5, 0.9, -1, 32, -1))
     assert "top_k" not in off and "seed" not in off
+    assert "frequency_penalty" not in off and "presence_penalty" not in off
+    penalized = chat_body("m", [], sampling_params(0.5, 0.9, -1, 32, -1, 1, 1.5, -0.5))
+    assert penalized["frequency_penalty"] == 1.5 and penalized["presence_penalty"] == -0.5
+
+
+def _chat_text(backend, params, prompt: str = LONG) -> str:
+    async def chat():
+        last = None
+        async for reply in backend.replies([{"role": "user", "content": prompt}], params, "p"):
+            last = reply
+        return last
+
+    last = asyncio.run(chat())
+    assert last.error is None, last.error
+    return last.text
+
+
+def test_remote_penalties_reach_the_server_and_match_the_engine_chat(remote, service):
+    """The Chat tab's frequency and presence penalties, sent over HTTP, change a greedy reply
+    exactly as they change the in-process engine's: the server applied them, not dropped."""
+    from playground.handlers.chat_engine import EngineChat
+
+    plain = sampling_params(0.0, 1.0, -1, 32, -1)
+    penalized = sampling_params(0.0, 1.0, -1, 32, -1, 1, 1.5, 0.5)
+    over_http = _chat_text(RemoteChat(remote), penalized)
+    assert over_http == _chat_text(EngineChat(service), penalized)
+    assert over_http != _chat_text(RemoteChat(remote), plain)  # so the test can tell
+
+
+def test_remote_chat_refuses_what_it_cannot_send(app, service):
+    """n > 1 and the repetition penalty have no portable OpenAI field: 'Not sent', with the
+    reason, instead of a reply to a different request."""
+    _, client = app
+    for extra, field in (((2,), "n:"), ((1, 0.0, 0.0, 1.3), "repetition_penalty")):
+        chatbot, _, status = client.predict("Hi", "", 0.7, 1.0, -1, 8, -1, *extra, api_name="/chat")
+        assert "Not sent" in status and field in status and chatbot == []
+    wait_all_blocks_free(service)
 
 
 def test_remote_chat_streams_with_client_measured_metrics(remote):

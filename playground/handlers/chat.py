@@ -36,12 +36,16 @@ def sampling_params(
     max_tokens: float | None,
     seed: float | None,
     n: float | None = 1,
+    frequency_penalty: float | None = 0.0,
+    presence_penalty: float | None = 0.0,
+    repetition_penalty: float | None = 1.0,
 ) -> SamplingParams:
     """Form numbers (Gradio sends floats or None) -> SamplingParams; ValueError names the field.
 
     The engine's convention everywhere (Chat, Load test, SamplingParams): top_k -1 = off, 0 is
     refused (it would keep no token); seed -1 = a fresh random seed per reply, else >= 0. A
-    fraction is refused, never rounded: the box would still show what the user typed."""
+    fraction is refused, never rounded: the box would still show what the user typed. The
+    penalties go to SamplingParams as they are: it checks their ranges and names the field."""
     k = whole("top_k", top_k)
     if k == 0 or k < -1:
         raise ValueError(f"top_k: must be -1 (off) or a whole number >= 1, got {k}")
@@ -58,6 +62,10 @@ def sampling_params(
         top_p=float(top_p if top_p is not None else -1),
         top_k=k,
         seed=None if s == -1 else s,
+        # A blank field (None) reaches SamplingParams too, which refuses it by name.
+        frequency_penalty=frequency_penalty,  # type: ignore[arg-type]
+        presence_penalty=presence_penalty,  # type: ignore[arg-type]
+        repetition_penalty=repetition_penalty,  # type: ignore[arg-type]
     )
 
 

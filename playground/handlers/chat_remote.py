@@ -20,7 +20,7 @@ from playground.handlers.chat import (
     StreamThrottle,
     stats_line,
 )
-from playground.remote.chat import ChatStream, ChatUpdate, chat_body
+from playground.remote.chat import ChatStream, ChatUpdate, chat_body, check_remote_params
 from playground.remote.client import RemoteServer
 
 CLIENT_MEASURED = "measured by the client"
@@ -57,6 +57,7 @@ class RemoteChat:
     async def replies(
         self, messages: list[dict], params: SamplingParams, session: str
     ) -> AsyncIterator[ChatReply]:
+        check_remote_params(params)
         stream = ChatStream(self.remote, chat_body(self.remote.model, messages, params))
         self.active.set(session, stream)
         throttle = StreamThrottle()

@@ -30,7 +30,8 @@ CHAT_TIMEOUT = httpx.Timeout(3600.0, connect=CONNECT_TIMEOUT_S)  # a stalled ser
 
 def chat_body(model: str, messages: list[dict], params: SamplingParams) -> dict[str, Any]:
     """A streaming chat request with the form's sampling fields; top_k is a vLLM extension
-    (SGLang, llama.cpp and ours accept it too) and is left out when off."""
+    (SGLang, llama.cpp and ours accept it too) and is left out when off, as are penalties at
+    0 (OpenAI's fields; servers that lack them then see nothing new)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -44,7 +45,23 @@ def chat_body(model: str, messages: list[dict], params: SamplingParams) -> dict[
         body["top_k"] = params.top_k
     if params.seed is not None:
         body["seed"] = params.seed
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(params, name):
+            body[name] = getattr(params, name)
     return body
+
+
+def check_remote_params(params: SamplingParams) -> None:
+    """ValueError for a form value chat_body cannot send: n > 1 (servers differ in support,
+    and the remote reply view shows one) and the repetition penalty (not an OpenAI field; vLLM
+    calls it repetition_penalty, llama.cpp repeat_penalty). Sending neither would answer a
+    different request than the one asked for."""
+    if params.n != 1:
+        raise ValueError(f"n: remote mode sends one reply per request, got n = {params.n}")
+    if params.repetition_penalty != 1.0:
+        raise ValueError("repetition_penalty: not an OpenAI field, so remote mode does not "
+                         f"send it; use 1.0 (got {params.repetition_penalty:g}) and the "
+                         "frequency or presence penalty instead")  # fmt: skip
 
 
 @dataclass(frozen=True)

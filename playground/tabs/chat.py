@@ -87,6 +87,25 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
                 info="n > 1 shares the prompt's KV blocks; needs a temperature > 0 to differ",
                 visible=ctx.remote is None,
             )  # fmt: skip
+            # The 135M model loops ("the hornet's hornet's ..."); these are the usual cure.
+            with gr.Accordion("Repetition penalties", open=False, elem_id="chat-penalties"):
+                ui.frequency_penalty = gr.Slider(
+                    -2.0, 2.0, 0.0, step=0.1, label="Frequency penalty",
+                    info="logit -= penalty x times the token appeared in the reply so far",
+                    elem_id="chat-frequency-penalty",
+                )  # fmt: skip
+                ui.presence_penalty = gr.Slider(
+                    -2.0, 2.0, 0.0, step=0.1, label="Presence penalty",
+                    info="logit -= penalty once the token appeared in the reply",
+                    elem_id="chat-presence-penalty",
+                )  # fmt: skip
+                # Not an OpenAI field: remote mode would have no portable way to send it.
+                ui.repetition_penalty = gr.Slider(
+                    1.0, 2.0, 1.0, step=0.05, label="Repetition penalty (1 = off)",
+                    info="divides a seen token's positive logit (multiplies a negative one); "
+                    "counts the prompt too",
+                    elem_id="chat-repetition-penalty", visible=ctx.remote is None,
+                )  # fmt: skip
             ui.clear = gr.Button("Clear conversation", elem_id="chat-clear")
             gr.Markdown(REMOTE_NOTE.format(url=ctx.remote.base_url) if ctx.remote else ENGINE_NOTE)
     ui.turns = gr.State([])
@@ -114,6 +133,9 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         max_tokens,
         seed,
         n,
+        frequency_penalty,
+        presence_penalty,
+        repetition_penalty,
         request: gr.Request,
     ):
         # Streaming updates never write the input box (gr.skip()): what the user types while
@@ -124,7 +146,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             yield render(turns), turns, message, "Type a message first.", gr.skip()
             return
         try:
-            params = sampling_params(temperature, top_p, top_k, max_tokens, seed, n)
+            params = sampling_params(temperature, top_p, top_k, max_tokens, seed, n,
+                                     frequency_penalty, presence_penalty, repetition_penalty)  # fmt: skip
         except ValueError as e:
             gr.Warning(str(e))
             yield gr.skip(), gr.skip(), gr.skip(), f"**Not sent:** {e}", gr.skip()
@@ -195,9 +218,13 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         max_tokens,
         seed,
         n,
+        frequency_penalty,
+        presence_penalty,
+        repetition_penalty,
         request: gr.Request,
     ):
-        form = (message, turns, system_prompt, temperature, top_p, top_k, max_tokens, seed, n)
+        form = (message, turns, system_prompt, temperature, top_p, top_k, max_tokens, seed, n,
+                frequency_penalty, presence_penalty, repetition_penalty)  # fmt: skip
         async for chatbot, turns, message, status, _ in respond(*form, request):
             yield chatbot, turns, "" if message == gr.skip() else message, status
 
@@ -241,6 +268,9 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ui.max_tokens,
         ui.seed,
         ui.n,
+        ui.frequency_penalty,
+        ui.presence_penalty,
+        ui.repetition_penalty,
     ]
     outputs = [ui.chatbot, ui.turns, ui.message, ui.status, ui.send]
     # No concurrency limit: replies stream without holding a worker thread, and every open
