@@ -240,7 +240,7 @@ def test_a_steps_freed_temporaries_are_not_faulted_in_again_next_step():
     kept = faults_per_step("keep")
     assert kept < 30, f"{kept} page faults a step with the freed memory kept"
     # The before, so this test can tell: glibc's defaults hand the 100 MB back and fault it in
-    # again. Alone this reads 24,544 a step (every 4 KB page); once, inside a full `make
-    # test`, 9,818: how much glibc trims depends on where small allocations land between the
-    # big ones. 100x the kept bound still tells the two apart without that flake.
+    # again. Alone this reads 24,544 a step (every 4 KB page); in two full `make test` runs,
+    # 9,817.6 (4 steps in 10 faulted it all in): how much glibc trims depends on where small
+    # allocations land between the big ones. 100x the kept bound tells the two apart still.
     assert faults_per_step("default") > 100 * 30
