@@ -160,6 +160,24 @@ def test_chat_streams_and_the_block_map_follows_the_request(page, shot):
     shot(page, "chat")
 
 
+def test_chat_token_probabilities_render_as_shaded_spans_with_hover_text(page, shot):
+    """The token view survives the chatbot's HTML sanitizer: one span per token with its
+    shading (style) and its hover text (title)."""
+    page.locator("#chat-clear").click()
+    set_number(page, "tab-chat", "number input for Max new tokens", 48)
+    page.locator("#chat-token-probs input").check()
+    page.fill("#chat-input textarea", "Why is the sky blue?")
+    page.click("#chat-send")
+    wait_text(page, "#chatbot", r"perplexity \d", 60)
+    spans = page.locator("#chatbot .pg-tokens .pg-tok")
+    expect(spans).to_have_count(48)
+    assert "rgba(" in (spans.first.get_attribute("style") or "")
+    assert re.search(r"p \d\.\d{3} \(logprob", spans.first.get_attribute("title") or "")
+    shot(page, "chat_token_probs")
+    page.locator("#chat-token-probs input").uncheck()
+    page.locator("#chat-clear").click()
+
+
 def test_load_test_shows_a_results_table(page, shot):
     open_tab(page, "Load test")
     set_number(page, "tab-loadtest", "Requests", 8)

@@ -661,6 +661,18 @@ def test_api_chat_penalties_change_a_greedy_reply(client, service):
     _wait_idle(service)
 
 
+def test_api_chat_token_probabilities(client):
+    """The Chat tab's token view through /chat: shaded token spans and the reply's perplexity."""
+    from gradio_client import Client
+
+    fresh = Client(client.src, verbose=False)
+    form = ("Say hello.", "", 0.0, 1.0, -1, 6, -1, 1, 0.0, 0.0, 1.0, True)
+    chatbot, _, status = fresh.predict(*form, api_name="/chat")
+    reply = chatbot[-1]["content"][0]["text"]
+    assert status == "" and reply.startswith('<div class="pg-tokens">')
+    assert reply.count('class="pg-tok"') == 6 and "perplexity" in reply
+
+
 def test_api_bad_values_give_messages_not_tracebacks(client):
     from gradio_client.exceptions import AppError
 

@@ -138,6 +138,45 @@ def test_remote_penalties_reach_the_server_and_match_the_engine_chat(remote, ser
     assert over_http != _chat_text(RemoteChat(remote), plain)  # so the test can tell
 
 
+def _last_reply(backend, params, prompt: str = "Name three colors."):
+    async def chat():
+        return [
+            r async for r in backend.replies([{"role": "user", "content": prompt}], params, "t")
+        ][-1]
+
+    return asyncio.run(chat())
+
+
+def test_remote_token_probabilities_match_the_engine_chats(remote, service, monkeypatch):
+    """The token view in remote mode: chat_body asks for logprobs, the stream's entries are
+    collected (also from chunks whose text is held back), and they equal what EngineChat reads
+    from the engine for the same greedy reply."""
+    import playground.handlers.chat_remote as chat_remote
+    from playground.handlers.chat_engine import EngineChat
+    from playground.handlers.token_probs import TOP_LOGPROBS
+
+    params = sampling_params(0.0, 1.0, -1, 16, -1, token_probs=True)
+    body = chat_body("m", [], params)
+    assert body["logprobs"] is True and body["top_logprobs"] == TOP_LOGPROBS
+    over_http = _last_reply(RemoteChat(remote), params)
+    local = _last_reply(EngineChat(service), params)
+    assert over_http.text == local.text and len(over_http.tokens[0]) == len(local.tokens[0]) > 0
+    for a, b in zip(over_http.tokens[0], local.tokens[0], strict=True):
+        assert a.text == b.text and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert "perplexity" in over_http.stats and "measured by the client" in over_http.stats
+
+    # A server that ignores `logprobs: true` (here: the request never asks) sends none: the
+    # reply is text, and the stats line says the probabilities are missing.
+    def without_logprobs(*args):
+        return {k: v for k, v in chat_body(*args).items() if "logprobs" not in k}
+
+    monkeypatch.setattr(chat_remote, "chat_body", without_logprobs)
+    bare = _last_reply(RemoteChat(remote), params)
+    assert bare.text == local.text and bare.tokens == ()
+    assert bare.stats.endswith(chat_remote.NO_LOGPROBS)
+
+
 def test_remote_chat_refuses_what_it_cannot_send(app, service):
     """n > 1 and the repetition penalty have no portable OpenAI field: 'Not sent', with the
     reason, instead of a reply to a different request."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from engine.request import SamplingParams
+from playground.handlers.token_probs import TOP_LOGPROBS, TokenProb, probability_html
 
 # Each turn: {"role": "user" | "assistant", "content": text, "stats": line (assistant only),
 # "alternatives": the other replies of an n > 1 request (shown beside it, never sent back)}.
@@ -39,13 +40,15 @@ def sampling_params(
     frequency_penalty: float | None = 0.0,
     presence_penalty: float | None = 0.0,
     repetition_penalty: float | None = 1.0,
+    token_probs: bool = False,
 ) -> SamplingParams:
     """Form numbers (Gradio sends floats or None) -> SamplingParams; ValueError names the field.
 
     The engine's convention everywhere (Chat, Load test, SamplingParams): top_k -1 = off, 0 is
     refused (it would keep no token); seed -1 = a fresh random seed per reply, else >= 0. A
     fraction is refused, never rounded: the box would still show what the user typed. The
-    penalties go to SamplingParams as they are: it checks their ranges and names the field."""
+    penalties go to SamplingParams as they are: it checks their ranges and names the field.
+    token_probs asks for each token's logprob and its TOP_LOGPROBS alternatives."""
     k = whole("top_k", top_k)
     if k == 0 or k < -1:
         raise ValueError(f"top_k: must be -1 (off) or a whole number >= 1, got {k}")
@@ -66,6 +69,7 @@ def sampling_params(
         frequency_penalty=frequency_penalty,  # type: ignore[arg-type]
         presence_penalty=presence_penalty,  # type: ignore[arg-type]
         repetition_penalty=repetition_penalty,  # type: ignore[arg-type]
+        logprobs=TOP_LOGPROBS if token_probs else None,
     )
 
 
@@ -142,36 +146,50 @@ class StreamThrottle:
         return False
 
 
+# Per reply of a turn (the reply, then its alternatives): its tokens with their probabilities,
+# when the Chat tab's token view was on (the turn's "tokens"; ChatReply.tokens while streaming).
+ReplyTokens = Sequence[Sequence[TokenProb]]
+
+
 def render(
     turns: Sequence[Turn],
     streaming: str | None = None,
     live: str = "",
     streaming_alternatives: Sequence[str] = (),
+    streaming_tokens: ReplyTokens = (),
 ) -> list[dict]:
     """Turns -> gr.Chatbot messages; each reply ends with its metrics line. A reply with
-    alternatives (n > 1) shows all n side by side, the first being the one that continues."""
+    alternatives (n > 1) shows all n side by side, the first being the one that continues. A
+    reply with tokens shows them shaded by probability (token_probs.py)."""
     out = []
     for t in turns:
-        content = t["content"]
-        if t.get("alternatives"):
-            content = side_by_side([content, *t["alternatives"]])
+        content = reply_body([t["content"], *t.get("alternatives", ())], t.get("tokens", ()))
         if t.get("stats"):
             content = f"{content}\n\n<sub>{t['stats']}</sub>"
         out.append({"role": t["role"], "content": content})
     if streaming is not None:
-        if streaming_alternatives:
-            body = side_by_side([streaming, *streaming_alternatives], cursor=True)
-        else:
-            body = f"{streaming} ▌"
+        replies = [streaming, *streaming_alternatives]
+        body = reply_body(replies, streaming_tokens, cursor=True)
         out.append({"role": "assistant", "content": f"{body}\n\n<sub>{live}</sub>"})
     return out
 
 
-def side_by_side(replies: Sequence[str], cursor: bool = False) -> str:
-    """n replies in columns (HTML, the texts escaped; theme.css lays out .pg-replies)."""
+def reply_body(replies: Sequence[str], tokens: ReplyTokens = (), cursor: bool = False) -> str:
+    """One turn's content: the text (Markdown), or the token view when there are tokens; n
+    replies in columns."""
+    if any(tokens):
+        bodies = [probability_html(t, cursor) for t in tokens]
+    elif len(replies) == 1:
+        return f"{replies[0]} ▌" if cursor else replies[0]
+    else:
+        bodies = [html.escape(r).replace("\n", "<br>") + (" ▌" if cursor else "") for r in replies]
+    return bodies[0] if len(bodies) == 1 else side_by_side(bodies)
+
+
+def side_by_side(bodies: Sequence[str]) -> str:
+    """n replies' HTML bodies in columns (theme.css lays out .pg-replies)."""
     columns = []
-    for i, text in enumerate(replies, start=1):
-        body = html.escape(text).replace("\n", "<br>") + (" ▌" if cursor else "")
+    for i, body in enumerate(bodies, start=1):
         label = "Reply 1 (continues)" if i == 1 else f"Reply {i}"
         columns.append(f'<div class="pg-reply"><b>{label}</b><br>{body}</div>')
     return '<div class="pg-replies">' + "".join(columns) + "</div>"
@@ -254,6 +272,7 @@ class ChatReply:
     error: str | None
     stats: str  # the metrics line under a finished reply ("" while streaming)
     alternatives: tuple[str, ...] = ()  # n > 1: replies 2..n so far (text is reply 1)
+    tokens: tuple[tuple[TokenProb, ...], ...] = ()  # per reply, when token probs were asked
 
 
 class ChatBackend(Protocol):

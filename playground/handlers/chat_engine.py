@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from engine.request import RequestOutput, SamplingParams
+from engine.serving.logprobs_format import TokenTexts
 from playground.engine_client import EngineClient
 from playground.handlers.chat import (
     NOTHING_TO_STOP,
@@ -14,6 +15,7 @@ from playground.handlers.chat import (
     StreamThrottle,
     stats_line,
 )
+from playground.handlers.token_probs import engine_token_probs, probability_stats
 
 
 def prompt_for(service: EngineClient, messages: list[dict]) -> list[int] | str:
@@ -82,10 +84,16 @@ class EngineChat:
         """With n > 1 the reply is sequence 0 (it continues the conversation) and the others
         come as alternatives, shown beside it."""
         prompt = prompt_for(self.service, messages)
+        texts = TokenTexts(self.service.tokenizer) if params.logprobs is not None else None
         async for outs in stream_replies(self.service, prompt, params, self.active, session):
             # request_finished marks the request's last delta, whichever sequence ended last.
             out, finished = outs[0], any(o.request_finished for o in outs)
             n = sum(len(o.token_ids) for o in outs)
+            tokens = tuple(engine_token_probs(texts, o.logprobs) for o in outs) if texts else ()
+            stats = ""
+            if finished:
+                stats = stats_line(out.metrics, len(out.token_ids), out.finish_reason)
+                stats += probability_stats(tokens[0]) if tokens else ""
             yield ChatReply(
                 out.request_id,
                 out.text,
@@ -93,8 +101,9 @@ class EngineChat:
                 finished,
                 any(o.finish_reason == "abort" for o in outs),
                 next((o.error for o in outs if o.error), None),
-                stats_line(out.metrics, len(out.token_ids), out.finish_reason) if finished else "",
+                stats,
                 alternatives=tuple(o.text for o in outs[1:]),
+                tokens=tokens,
             )
 
     def streaming(self, session: str) -> bool:

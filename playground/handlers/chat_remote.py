@@ -20,10 +20,13 @@ from playground.handlers.chat import (
     StreamThrottle,
     stats_line,
 )
+from playground.handlers.token_probs import from_openai, probability_stats
 from playground.remote.chat import ChatStream, ChatUpdate, chat_body, check_remote_params
 from playground.remote.client import RemoteServer
 
 CLIENT_MEASURED = "measured by the client"
+# A server that ignores `logprobs: true` sends none: the reply shows as text, and says why.
+NO_LOGPROBS = " · the server sent no token probabilities"
 
 
 def remote_stats_line(update: ChatUpdate) -> str:
@@ -66,6 +69,10 @@ class RemoteChat:
                 async for u in updates:
                     if not throttle.due(u.finished):
                         continue  # the next update carries the whole text so far
+                    tokens = (from_openai(u.logprobs),) if u.logprobs else ()
+                    stats = remote_stats_line(u)  # "" until the last update
+                    if stats and params.logprobs is not None:
+                        stats += probability_stats(tokens[0]) if tokens else NO_LOGPROBS
                     yield ChatReply(
                         u.request_id,
                         u.text,
@@ -73,7 +80,8 @@ class RemoteChat:
                         u.finished,
                         u.finish_reason == "abort",
                         u.error,
-                        remote_stats_line(u),
+                        stats,
+                        tokens=tokens,
                     )
         finally:
             self.active.clear(session, stream)

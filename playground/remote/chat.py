@@ -48,6 +48,9 @@ def chat_body(model: str, messages: list[dict], params: SamplingParams) -> dict[
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(params, name):
             body[name] = getattr(params, name)
+    if params.logprobs is not None:
+        body["logprobs"] = True
+        body["top_logprobs"] = params.logprobs
     return body
 
 
@@ -73,10 +76,13 @@ class ChatUpdate:
     finish_reason: str | None = None  # "stop" | "length" | "abort" (stopped here) | None
     error: str | None = None
     metrics: ClientMetrics | None = None  # on the finished update
+    logprobs: tuple[dict, ...] = ()  # chat logprobs' content entries so far (when asked)
 
 
 def _update(reply: StreamReply) -> ChatUpdate:
-    return ChatUpdate(reply.request_id, reply.text, len(reply.parts))
+    return ChatUpdate(
+        reply.request_id, reply.text, len(reply.parts), logprobs=tuple(reply.logprobs)
+    )
 
 
 def _final(reply: StreamReply, end_time: float) -> ChatUpdate:
@@ -88,6 +94,7 @@ def _final(reply: StreamReply, end_time: float) -> ChatUpdate:
         finish_reason=reply.finish_reason,
         error=reply.error,
         metrics=reply.metrics(end_time),
+        logprobs=tuple(reply.logprobs),
     )
 
 

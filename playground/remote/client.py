@@ -88,6 +88,9 @@ class StreamReply:
     finish_reason: str | None = None  # "abort" when this client closed the stream
     error: str | None = None
     usage: dict | None = None  # the server's usage report (stream_options.include_usage)
+    # Chat logprobs' `content` entries, in order (asked with logprobs: true). A chunk may carry
+    # them without content: a server holding text back (a possible stop string) still sends them.
+    logprobs: list[dict] = field(default_factory=list)
 
     @property
     def first_content_time(self) -> float | None:
@@ -107,6 +110,9 @@ class StreamReply:
         choice = choices[0] if choices else {}
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
         self.usage = chunk.get("usage") or self.usage
+        chat_logprobs = choice.get("logprobs")
+        if isinstance(chat_logprobs, dict) and isinstance(chat_logprobs.get("content"), list):
+            self.logprobs += chat_logprobs["content"]
         content = choice.get("text") or (choice.get("delta") or {}).get("content")
         if not content:
             return False

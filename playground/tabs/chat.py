@@ -14,6 +14,7 @@ from playground.handlers.chat import (
     CHAT_TEMPERATURE,
     CHAT_TOP_P,
     MAX_CHAT_N,
+    TOP_LOGPROBS,
     ChatBackend,
     ChatSessions,
     build_messages,
@@ -87,6 +88,12 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
                 info="n > 1 shares the prompt's KV blocks; needs a temperature > 0 to differ",
                 visible=ctx.remote is None,
             )  # fmt: skip
+            ui.token_probs = gr.Checkbox(
+                False, label="Show token probabilities", elem_id="chat-token-probs",
+                info="Shades each token by the model's probability of it (darker = less "
+                "likely; raw logits, before temperature and penalties); hover a token for its "
+                f"top {TOP_LOGPROBS}. The stats line adds the reply's perplexity.",
+            )  # fmt: skip
             # The 135M model loops ("the hornet's hornet's ..."); these are the usual cure.
             with gr.Accordion("Repetition penalties", open=False, elem_id="chat-penalties"):
                 ui.frequency_penalty = gr.Slider(
@@ -136,6 +143,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         frequency_penalty,
         presence_penalty,
         repetition_penalty,
+        token_probs,
         request: gr.Request,
     ):
         # Streaming updates never write the input box (gr.skip()): what the user types while
@@ -147,7 +155,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
             return
         try:
             params = sampling_params(temperature, top_p, top_k, max_tokens, seed, n,
-                                     frequency_penalty, presence_penalty, repetition_penalty)  # fmt: skip
+                                     frequency_penalty, presence_penalty, repetition_penalty,
+                                     bool(token_probs))  # fmt: skip
         except ValueError as e:
             gr.Warning(str(e))
             yield gr.skip(), gr.skip(), gr.skip(), f"**Not sent:** {e}", gr.skip()
@@ -182,7 +191,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
                 last = reply
                 if not reply.finished:
                     live = f"{reply.request_id or 'reply'} · streaming · {reply.progress}"
-                    view = render(shown, reply.text, live, reply.alternatives)
+                    view = render(shown, reply.text, live, reply.alternatives, reply.tokens)
                     yield view, turns, gr.skip(), gr.skip(), False
         except (ValueError, RuntimeError) as e:  # refused (too long, ...) or shutting down
             gr.Warning(str(e))
@@ -200,6 +209,8 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         turn = {"role": "assistant", "content": text, "stats": last.stats}
         if last.alternatives:  # n > 1: shown beside the reply; only the first continues
             turn["alternatives"] = list(last.alternatives)
+        if any(last.tokens):  # the token view; "content" stays the text the model sees next
+            turn["tokens"] = [list(t) for t in last.tokens]
         status = ""
         if last.error:
             status = f"**{backend.error_label}:** {last.error}"
@@ -221,10 +232,11 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         frequency_penalty,
         presence_penalty,
         repetition_penalty,
+        token_probs,
         request: gr.Request,
     ):
         form = (message, turns, system_prompt, temperature, top_p, top_k, max_tokens, seed, n,
-                frequency_penalty, presence_penalty, repetition_penalty)  # fmt: skip
+                frequency_penalty, presence_penalty, repetition_penalty, token_probs)  # fmt: skip
         async for chatbot, turns, message, status, _ in respond(*form, request):
             yield chatbot, turns, "" if message == gr.skip() else message, status
 
@@ -271,6 +283,7 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         ui.frequency_penalty,
         ui.presence_penalty,
         ui.repetition_penalty,
+        ui.token_probs,
     ]
     outputs = [ui.chatbot, ui.turns, ui.message, ui.status, ui.send]
     # No concurrency limit: replies stream without holding a worker thread, and every open

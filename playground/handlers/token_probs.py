@@ -1,0 +1,114 @@
+"""The Chat tab's token-probability view: every token of a reply shaded by the model's
+probability of it (the less likely, the darker), its top alternatives on hover, and the
+reply's perplexity under the stats line. It shows where a reply was forced and where it was a
+coin toss: the tokens a higher temperature, a penalty or a quantized model would change first.
+
+Both backends deliver OpenAI's chat logprobs shape, {"token", "logprob", "top_logprobs":
+[{"token", "logprob"}]} per token: a remote server sends it, and the in-process engine's
+TokenLogprobs go through the server's own formatter (engine/serving/logprobs_format.py), so
+one parser reads both. The probabilities are the raw model's (before temperature, penalties
+and top-k/top-p; docs/logprobs.md), so they say what the model thinks, not how it was sampled.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.serving.logprobs_format import TokenTexts, chat_logprobs
+
+TOP_LOGPROBS = 5  # alternatives per token in the hover text (OpenAI allows up to 20)
+# Shading: alpha = MAX_ALPHA x (1 - p) over the theme's orange, so a near-certain token is
+# plain and an unlikely one stands out.
+SHADE_RGB = "249, 115, 22"
+MAX_ALPHA = 0.75
+NEWLINE_MARK = "↵"  # a newline token gets a visible mark to shade and hover
+
+
+@dataclass(frozen=True)
+class TokenProb:
+    text: str
+    logprob: float  # natural log, <= 0
+    top: tuple[tuple[str, float], ...]  # (token text, logprob), most likely first
+
+    @property
+    def prob(self) -> float:
+        return math.exp(self.logprob)
+
+
+def from_openai(content: Iterable[Any]) -> tuple[TokenProb, ...]:
+    """OpenAI chat logprobs' `content` entries -> TokenProbs. The view is a display, so an entry
+    a server got wrong (no token, a logprob that is not a number) is left out rather than
+    failing the reply; so is a malformed alternative."""
+    tokens = []
+    for entry in content:
+        pair = _token_logprob(entry)
+        if pair is None:
+            continue
+        alternatives = entry.get("top_logprobs")
+        top = (_token_logprob(t) for t in (alternatives if isinstance(alternatives, list) else ()))
+        tokens.append(TokenProb(*pair, tuple(t for t in top if t is not None)))
+    return tuple(tokens)
+
+
+def _token_logprob(entry: Any) -> tuple[str, float] | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+        return None
+    logprob = entry.get("logprob")
+    if isinstance(logprob, bool) or not isinstance(logprob, int | float) or math.isnan(logprob):
+        return None
+    return entry["token"], min(0.0, float(logprob))
+
+
+def engine_token_probs(texts: TokenTexts, logprobs: Sequence[Any] | None) -> tuple[TokenProb, ...]:
+    """An engine RequestOutput's logprobs (TokenLogprob per output token) -> TokenProbs, through
+    the same chat shape the server sends."""
+    if not logprobs:
+        return ()
+    return from_openai(chat_logprobs(logprobs, texts)["content"])
+
+
+def perplexity(tokens: Sequence[TokenProb]) -> float | None:
+    """exp(-mean logprob): the number of equally likely choices the model had per token, on
+    average (1 = every token certain)."""
+    if not tokens:
+        return None
+    return math.exp(-sum(t.logprob for t in tokens) / len(tokens))
+
+
+def probability_stats(tokens: Sequence[TokenProb]) -> str:
+    """The stats line's addition: ' · perplexity 2.31', or '' without tokens."""
+    value = perplexity(tokens)
+    return "" if value is None else f" · perplexity {value:.2f}"
+
+
+def _hover(token: TokenProb) -> str:
+    lines = [f"{json_quote(token.text)}  p {token.prob:.3f} (logprob {token.logprob:.2f})"]
+    if token.top:
+        lines.append(f"top {len(token.top)}:")
+        lines += [f"  {json_quote(text)}  {math.exp(lp):.3f}" for text, lp in token.top]
+    return "&#10;".join(html.escape(line, quote=True) for line in lines)
+
+
+def json_quote(text: str) -> str:
+    """A token's text quoted with its whitespace visible (" the", "\\n")."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + escaped.replace("\n", "\\n").replace("\t", "\\t") + '"'
+
+
+def probability_html(tokens: Sequence[TokenProb], cursor: bool = False) -> str:
+    """The reply as shaded token spans, on one line of HTML: the chat's Markdown renderer takes
+    a line that opens with <div> as raw HTML (so a token's '*' or '#' stays literal), and a
+    newline in it would end that block. theme.css keeps spaces (white-space: pre-wrap)."""
+    spans = []
+    for token in tokens:
+        alpha = MAX_ALPHA * (1.0 - min(1.0, token.prob))
+        text = html.escape(token.text).replace("\n", f"{NEWLINE_MARK}<br>")
+        spans.append(
+            f'<span class="pg-tok" style="background: rgba({SHADE_RGB}, {alpha:.2f})" '
+            f'title="{_hover(token)}">{text}</span>'
+        )
+    return '<div class="pg-tokens">' + "".join(spans) + (" ▌" if cursor else "") + "</div>"
