@@ -5,6 +5,7 @@ mode, the one OpenAI-compatible server)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from types import SimpleNamespace
 
 import gradio as gr
@@ -219,25 +220,9 @@ def create_event_handlers(ui: SimpleNamespace, ctx: AppContext) -> None:
         new_turns = [*shown, turn]
         yield render(new_turns), new_turns, gr.skip(), status, True
 
-    async def respond_api(
-        message,
-        turns,
-        system_prompt,
-        temperature,
-        top_p,
-        top_k,
-        max_tokens,
-        seed,
-        n,
-        frequency_penalty,
-        presence_penalty,
-        repetition_penalty,
-        token_probs,
-        request: gr.Request,
-    ):
-        form = (message, turns, system_prompt, temperature, top_p, top_k, max_tokens, seed, n,
-                frequency_penalty, presence_penalty, repetition_penalty, token_probs)  # fmt: skip
-        async for chatbot, turns, message, status, _ in respond(*form, request):
+    @functools.wraps(respond)  # respond's signature: Gradio passes the gr.Request it names
+    async def respond_api(*form_and_request):
+        async for chatbot, turns, message, status, _ in respond(*form_and_request):
             yield chatbot, turns, "" if message == gr.skip() else message, status
 
     def stop(request: gr.Request) -> str:
