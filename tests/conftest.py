@@ -50,6 +50,18 @@ def tiny_llm(make_llm):
     return make_llm(model="random:tiny", dtype="float32", max_model_len=256, num_kv_blocks=64)
 
 
+@pytest.fixture(scope="module")
+def tiny_service():
+    """The 2-layer random model behind an EngineService (the app's threaded engine), one per
+    test file: the Chat tab's backends and other streaming clients run against it."""
+    from engine import EngineConfig, EngineService
+
+    service = EngineService(EngineConfig(model="random:tiny", dtype="float32", max_model_len=256,
+                                         num_kv_blocks=64))  # fmt: skip
+    yield service
+    service.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_folder(tmp_path_factory):
     """A tiny random Llama as a local Hugging Face folder (tests/tiny_hf.py), float32."""

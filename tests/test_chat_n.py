@@ -8,17 +8,14 @@ import asyncio
 
 import pytest
 
-from engine import EngineConfig, EngineService, SamplingParams
+from engine import SamplingParams
 from playground.handlers.chat import MAX_CHAT_N, render, sampling_params, side_by_side
 from playground.handlers.chat_engine import EngineChat
 
 
 @pytest.fixture(scope="module")
-def service():
-    svc = EngineService(EngineConfig(model="random:tiny", dtype="float32", max_model_len=256,
-                                     num_kv_blocks=64))  # fmt: skip
-    yield svc
-    svc.shutdown()
+def service(tiny_service):
+    return tiny_service
 
 
 def test_engine_chat_streams_n_replies_as_alternatives(service):

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from engine import EngineConfig, EngineService, SamplingParams
+from engine import SamplingParams
 from playground.handlers.chat import build_messages, render, sampling_params
 from playground.handlers.chat_engine import EngineChat
 from playground.handlers.token_probs import (
@@ -89,11 +89,8 @@ def test_the_form_asks_for_top_logprobs_only_when_the_box_is_ticked():
 
 
 @pytest.fixture(scope="module")
-def service():
-    svc = EngineService(EngineConfig(model="random:tiny", dtype="float32", max_model_len=256,
-                                     num_kv_blocks=64))  # fmt: skip
-    yield svc
-    svc.shutdown()
+def service(tiny_service):
+    return tiny_service
 
 
 def _replies(service, params: SamplingParams):
