@@ -224,6 +224,9 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
+    # Output tokens that were speculative drafts the target model accepted (the rest it
+    # sampled itself: one per step). 0 without speculative decoding.
+    num_accepted_draft_tokens: int = 0
 
     @property
     def queue_s(self) -> float | None:

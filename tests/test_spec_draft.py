@@ -122,6 +122,32 @@ def test_stop_strings_match_one_token_decoding(base, other_draft):
         assert ids(a) == ids(b)
 
 
+def _drafted(times: list[float]) -> list[bool]:
+    """Per output token, whether it was an accepted draft: a step's tokens share their time
+    (scheduler.update), and the last of them is the target's own."""
+    return [i + 1 < len(times) and times[i + 1] == t for i, t in enumerate(times)]
+
+
+def test_each_request_counts_its_accepted_drafts(base, other_draft):
+    """RequestMetrics.num_accepted_draft_tokens (the Chat tab's stats line): per request, the
+    engine's acceptance total summed, and right after a stop string cut a step's tokens."""
+    before = other_draft.stats()
+    out = other_draft.generate(PROMPTS, greedy(24))
+    accepted = other_draft.stats().num_accepted_tokens_total - before.num_accepted_tokens_total
+    assert sum(o.metrics.num_accepted_draft_tokens for o in out) == accepted > 0
+    assert not any(o.metrics.num_accepted_draft_tokens for o in base.generate(PROMPTS, greedy()))
+    for ref, prompt in zip(out, PROMPTS, strict=True):
+        drafted = _drafted(ref.metrics.token_times)
+        assert ref.metrics.num_accepted_draft_tokens == sum(drafted)
+        for cut in range(2, len(ref.text) - 3, 5):  # stops at many places inside steps
+            stop = ref.text[cut : cut + 3]
+            if not stop.strip():
+                continue
+            (b,) = other_draft.generate([prompt], greedy(24, stop=[stop]))
+            kept = len(b.token_ids)
+            assert b.metrics.num_accepted_draft_tokens == sum(drafted[:kept]), (cut, kept)
+
+
 @pytest.mark.slow
 def test_preemption_and_prefix_caching_keep_the_tokens(base):
     shared = list(range(500, 540))

@@ -90,6 +90,8 @@ class OutputProcessor:
                     del request.metrics.token_times[-dropped:]
                     request.num_new_output_tokens -= dropped
                     request.metrics.num_output_tokens -= dropped
+                    # The step's last token (the target's own) went, and dropped - 1 drafts.
+                    request.metrics.num_accepted_draft_tokens -= dropped - 1
                 return
 
     def _extend_text(self, request: Request, final: bool) -> bool:

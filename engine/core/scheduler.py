@@ -413,6 +413,9 @@ class Scheduler:
                 if token_logprobs is not None:
                     request.output_logprobs.append(token_logprobs[i])
                 request.metrics.token_times.append(now)
+                # A verified step's tokens: the accepted drafts, then the target's own token.
+                if i < len(tokens) - 1:
+                    request.metrics.num_accepted_draft_tokens += 1
                 status = self._token_stop(request, token)
                 if status is not None:
                     break  # tokens after a stop are dropped
