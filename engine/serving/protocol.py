@@ -192,11 +192,14 @@ class ChatCompletionRequest(_SamplingRequest):
 # --- responses -------------------------------------------------------------------------------
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: the prompt tokens the prefix
+    cache held (0 with it off), which OpenAI and vLLM report there too."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 

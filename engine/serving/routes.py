@@ -162,7 +162,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 stream.request_id,
                 model,
                 choices,
-                usage(len(finals[0].prompt_token_ids), num_output),
+                usage(
+                    len(finals[0].prompt_token_ids), num_output, finals[0].metrics.num_cached_tokens
+                ),
             )
         )
 
@@ -214,7 +216,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 stream.request_id,
                 model,
                 choices,
-                usage(len(finals[0].prompt_token_ids), num_output),
+                usage(
+                    len(finals[0].prompt_token_ids), num_output, finals[0].metrics.num_cached_tokens
+                ),
             )
         )
 

@@ -202,7 +202,8 @@ async def _events(
         if chunk is not None:
             yield event(chunk)
     if include_usage and last:
-        num_prompt = len(next(iter(last.values())).prompt_token_ids)  # counted once for n
-        u = usage(num_prompt, sum(len(out.token_ids) for out in last.values()))
+        first = next(iter(last.values()))  # the prompt is counted once for n
+        num_output = sum(len(out.token_ids) for out in last.values())
+        u = usage(len(first.prompt_token_ids), num_output, first.metrics.num_cached_tokens)
         yield sse(usage_chunk(stream.request_id, model, usage_object, u))
     yield SSE_DONE
