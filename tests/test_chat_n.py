@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from engine import SamplingParams
+from engine import EngineConfig, SamplingParams
 from playground.handlers.chat import MAX_CHAT_N, render, sampling_params, side_by_side
 from playground.handlers.chat_engine import EngineChat
 
@@ -80,6 +80,8 @@ def test_the_reply_finishes_whichever_sequence_ends_last():
                 yield out
 
     class Service:
+        config = EngineConfig()  # the stats line asks about prefix caching and drafts
+
         def apply_chat_template(self, messages):
             return [1]
 

@@ -371,6 +371,13 @@ def test_one_stats_line_for_engine_and_client_metrics():
         " · stopped"
     )
     assert stats_line(SimpleNamespace(ttft_s=None, tpot_s=None, e2e_s=None), 0, None) == "0 tokens"
+    # Beside TTFT the prompt (and the prefix cache's share), beside TPOT the accepted drafts.
+    line = stats_line(engine, 10, "stop", prompt_tokens=245, cached_tokens=224, accepted_drafts=4)
+    assert line == (
+        "TTFT 20 ms (prompt 245 tokens, 224 cached) · TPOT 5 ms (4 of 10 tokens from accepted "
+        "drafts) · 20.0 tok/s · 10 tokens"
+    )
+    assert stats_line(engine, 10, None, prompt_tokens=9).startswith("TTFT 20 ms (prompt 9 tokens)")
 
 
 def test_stream_throttle_lets_one_update_per_interval_and_always_the_last():

@@ -106,15 +106,28 @@ def stats_line(
     *,
     chunks_counted: bool = False,
     measured_by: str | None = None,
+    prompt_tokens: int | None = None,
+    cached_tokens: int | None = None,
+    accepted_drafts: int | None = None,
 ) -> str:
     """TTFT, TPOT, output tokens per second of end-to-end time, token count, and how the reply
     ended. chunks_counted: the count is of content chunks (no usage report; a chunk holds one
-    token or more). measured_by: who timed it, when not the engine."""
+    token or more). measured_by: who timed it, when not the engine. Beside TTFT, what it
+    depends on: the prompt's length and how much of it the prefix cache held (cached_tokens,
+    None when caching is off or unreported); beside TPOT, what lowers it with speculative
+    decoding: how many output tokens were accepted drafts (None when it is off)."""
     parts = []
     if times.ttft_s is not None:
-        parts.append(f"TTFT {times.ttft_s * 1e3:.0f} ms")
+        ttft = f"TTFT {times.ttft_s * 1e3:.0f} ms"
+        if prompt_tokens:
+            cached = "" if cached_tokens is None else f", {cached_tokens} cached"
+            ttft += f" (prompt {prompt_tokens} tokens{cached})"
+        parts.append(ttft)
     if times.tpot_s is not None:
-        parts.append(f"TPOT {times.tpot_s * 1e3:.0f} ms")
+        tpot = f"TPOT {times.tpot_s * 1e3:.0f} ms"
+        if accepted_drafts is not None:
+            tpot += f" ({accepted_drafts} of {num_tokens} tokens from accepted drafts)"
+        parts.append(tpot)
     e2e_s = times.e2e_s
     if e2e_s and num_tokens:
         parts.append(f"{num_tokens / e2e_s:.1f} tok/s")

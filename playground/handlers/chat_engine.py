@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from engine.config import EngineConfig
 from engine.request import RequestOutput, SamplingParams
 from engine.serving.logprobs_format import TokenTexts
 from playground.engine_client import EngineClient
@@ -67,6 +68,20 @@ async def stream_reply(
         yield outputs[0]
 
 
+def engine_stats_line(config: EngineConfig, out: RequestOutput) -> str:
+    """A finished reply's stats line, with what the engine knows of its prompt (the prefix
+    cache's share, when caching is on) and of its drafts (when speculative decoding is on)."""
+    m = out.metrics
+    return stats_line(
+        m,
+        len(out.token_ids),
+        out.finish_reason,
+        prompt_tokens=len(out.prompt_token_ids),
+        cached_tokens=m.num_cached_tokens if config.enable_prefix_caching else None,
+        accepted_drafts=m.num_accepted_draft_tokens if config.speculative_method != "off" else None,
+    )
+
+
 class EngineChat:
     """Chat with the in-process engine; the Stop button aborts the request by its id, and the
     engine frees its KV blocks at once."""
@@ -92,7 +107,7 @@ class EngineChat:
             tokens = tuple(engine_token_probs(texts, o.logprobs) for o in outs) if texts else ()
             stats = ""
             if finished:
-                stats = stats_line(out.metrics, len(out.token_ids), out.finish_reason)
+                stats = engine_stats_line(self.service.config, out)
                 stats += probability_stats(tokens[0]) if tokens else ""
             yield ChatReply(
                 out.request_id,

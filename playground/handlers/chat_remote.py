@@ -36,13 +36,23 @@ def remote_stats_line(update: ChatUpdate) -> str:
     if m is None:
         return ""
     # Without the server's usage report (a stopped stream has none) only chunks were counted.
+    usage = update.usage if isinstance(update.usage, dict) else {}
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return stats_line(
         m,
         m.num_tokens,
         update.finish_reason,
         chunks_counted=not m.tokens_from_usage,
         measured_by=CLIENT_MEASURED,
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        cached_tokens=_count(cached),  # OpenAI's field; vLLM and ours fill it
     )
+
+
+def _count(value: object) -> int | None:
+    """A token count from the server's usage report, or None if it is not one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 class RemoteChat:

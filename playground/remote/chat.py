@@ -77,6 +77,7 @@ class ChatUpdate:
     error: str | None = None
     metrics: ClientMetrics | None = None  # on the finished update
     logprobs: tuple[dict, ...] = ()  # chat logprobs' content entries so far (when asked)
+    usage: dict | None = None  # the server's usage report, on the finished update
 
 
 def _update(reply: StreamReply) -> ChatUpdate:
@@ -95,6 +96,7 @@ def _final(reply: StreamReply, end_time: float) -> ChatUpdate:
         error=reply.error,
         metrics=reply.metrics(end_time),
         logprobs=tuple(reply.logprobs),
+        usage=reply.usage,
     )
 
 
