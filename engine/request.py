@@ -224,9 +224,13 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
-    # Output tokens that were speculative drafts the target model accepted (the rest it
-    # sampled itself: one per step). 0 without speculative decoding.
-    num_accepted_draft_tokens: int = 0
+    # Per output token: True where it was a speculative draft the target model accepted, False
+    # where the target sampled it itself (one per step). All False without speculative decoding.
+    token_drafted: list[bool] = field(default_factory=list)
+
+    @property
+    def num_accepted_draft_tokens(self) -> int:
+        return sum(self.token_drafted)
 
     @property
     def queue_s(self) -> float | None:

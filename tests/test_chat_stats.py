@@ -60,6 +60,17 @@ def test_engine_chat_names_the_prompt_its_cached_part_and_the_accepted_drafts(se
     assert drafts is not None, again.stats
 
 
+def test_the_token_view_marks_the_same_tokens_the_count_counts(service):
+    """With token probabilities on, the accepted drafts the stats line counts are the tokens
+    the view underlines (RequestMetrics.token_drafted, one flag per output token)."""
+    params = sampling_params(0.0, 1.0, -1, 48, -1, token_probs=True)
+    last = _last(EngineChat(service), params)
+    count = int(re.search(r"\((\d+) of 48 tokens from accepted drafts\)", last.stats)[1])
+    assert count > 0, "no draft accepted: the test cannot tell"  # the random model loops
+    assert sum(t.drafted for t in last.tokens[0]) == count
+    assert not last.tokens[0][0].drafted  # the first token comes from the prefill, never a draft
+
+
 def test_without_caching_and_drafts_the_line_says_neither():
     svc = EngineService(EngineConfig(model="random:tiny", dtype="float32", max_model_len=256,
                                      num_kv_blocks=64))  # fmt: skip

@@ -71,6 +71,13 @@ def test_token_html_is_one_escaped_line_shaded_by_probability():
     assert "&quot; the&quot;  0.250" in shown and "&quot;\\n&quot;  p 1.000" in shown
 
 
+def test_accepted_drafts_are_marked_in_the_view_and_the_hover():
+    plain, drafted = (TokenProb("a", -0.1, (), drafted=d) for d in (False, True))
+    shown = probability_html([plain, drafted])
+    assert shown.count('class="pg-tok"') == 1 and shown.count('class="pg-tok pg-drafted"') == 1
+    assert shown.count("an accepted speculative draft") == 1
+
+
 def test_a_turn_with_tokens_shows_them_and_keeps_its_text_for_the_model():
     tokens = [list(from_openai(CONTENT))]
     turn = {"role": "assistant", "content": "<b>\n *x*", "stats": "TTFT 5 ms", "tokens": tokens}

@@ -129,8 +129,9 @@ def _drafted(times: list[float]) -> list[bool]:
 
 
 def test_each_request_counts_its_accepted_drafts(base, other_draft):
-    """RequestMetrics.num_accepted_draft_tokens (the Chat tab's stats line): per request, the
-    engine's acceptance total summed, and right after a stop string cut a step's tokens."""
+    """RequestMetrics.token_drafted (the Chat tab's stats line and token view): per request, its
+    count sums to the engine's acceptance total; per token, it marks the step's tokens but the
+    last, and stays right after a stop string cut a step's tokens."""
     before = other_draft.stats()
     out = other_draft.generate(PROMPTS, greedy(24))
     accepted = other_draft.stats().num_accepted_tokens_total - before.num_accepted_tokens_total
@@ -138,14 +139,14 @@ def test_each_request_counts_its_accepted_drafts(base, other_draft):
     assert not any(o.metrics.num_accepted_draft_tokens for o in base.generate(PROMPTS, greedy()))
     for ref, prompt in zip(out, PROMPTS, strict=True):
         drafted = _drafted(ref.metrics.token_times)
-        assert ref.metrics.num_accepted_draft_tokens == sum(drafted)
+        assert ref.metrics.token_drafted == drafted
         for cut in range(2, len(ref.text) - 3, 5):  # stops at many places inside steps
             stop = ref.text[cut : cut + 3]
             if not stop.strip():
                 continue
             (b,) = other_draft.generate([prompt], greedy(24, stop=[stop]))
             kept = len(b.token_ids)
-            assert b.metrics.num_accepted_draft_tokens == sum(drafted[:kept]), (cut, kept)
+            assert b.metrics.token_drafted == drafted[:kept], (cut, kept)
 
 
 @pytest.mark.slow

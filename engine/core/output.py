@@ -88,10 +88,9 @@ class OutputProcessor:
                 dropped = num_new - 1 - i
                 if dropped:
                     del request.metrics.token_times[-dropped:]
+                    del request.metrics.token_drafted[-dropped:]
                     request.num_new_output_tokens -= dropped
                     request.metrics.num_output_tokens -= dropped
-                    # The step's last token (the target's own) went, and dropped - 1 drafts.
-                    request.metrics.num_accepted_draft_tokens -= dropped - 1
                 return
 
     def _extend_text(self, request: Request, final: bool) -> bool:

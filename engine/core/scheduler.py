@@ -414,8 +414,7 @@ class Scheduler:
                     request.output_logprobs.append(token_logprobs[i])
                 request.metrics.token_times.append(now)
                 # A verified step's tokens: the accepted drafts, then the target's own token.
-                if i < len(tokens) - 1:
-                    request.metrics.num_accepted_draft_tokens += 1
+                request.metrics.token_drafted.append(i < len(tokens) - 1)
                 status = self._token_stop(request, token)
                 if status is not None:
                     break  # tokens after a stop are dropped

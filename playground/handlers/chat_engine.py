@@ -104,7 +104,11 @@ class EngineChat:
             # request_finished marks the request's last delta, whichever sequence ended last.
             out, finished = outs[0], any(o.request_finished for o in outs)
             n = sum(len(o.token_ids) for o in outs)
-            tokens = tuple(engine_token_probs(texts, o.logprobs) for o in outs) if texts else ()
+            tokens = (
+                tuple(engine_token_probs(texts, o.logprobs, o.metrics.token_drafted) for o in outs)
+                if texts
+                else ()
+            )
             stats = ""
             if finished:
                 stats = engine_stats_line(self.service.config, out)

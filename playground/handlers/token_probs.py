@@ -12,6 +12,7 @@ and top-k/top-p; docs/logprobs.md), so they say what the model thinks, not how i
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from collections.abc import Iterable, Sequence
@@ -33,6 +34,7 @@ class TokenProb:
     text: str
     logprob: float  # natural log, <= 0
     top: tuple[tuple[str, float], ...]  # (token text, logprob), most likely first
+    drafted: bool = False  # an accepted speculative draft (the in-process engine says which)
 
     @property
     def prob(self) -> float:
@@ -63,12 +65,18 @@ def _token_logprob(entry: Any) -> tuple[str, float] | None:
     return entry["token"], min(0.0, float(logprob))
 
 
-def engine_token_probs(texts: TokenTexts, logprobs: Sequence[Any] | None) -> tuple[TokenProb, ...]:
+def engine_token_probs(
+    texts: TokenTexts, logprobs: Sequence[Any] | None, drafted: Sequence[bool] = ()
+) -> tuple[TokenProb, ...]:
     """An engine RequestOutput's logprobs (TokenLogprob per output token) -> TokenProbs, through
-    the same chat shape the server sends."""
+    the same chat shape the server sends; `drafted` (RequestMetrics.token_drafted, one flag per
+    output token) marks the accepted speculative drafts."""
     if not logprobs:
         return ()
-    return from_openai(chat_logprobs(logprobs, texts)["content"])
+    tokens = from_openai(chat_logprobs(logprobs, texts)["content"])
+    if len(drafted) != len(tokens):  # not aligned (a sequence cut meanwhile): marks left out
+        return tokens
+    return tuple(dataclasses.replace(t, drafted=d) for t, d in zip(tokens, drafted, strict=True))
 
 
 def perplexity(tokens: Sequence[TokenProb]) -> float | None:
@@ -87,6 +95,8 @@ def probability_stats(tokens: Sequence[TokenProb]) -> str:
 
 def _hover(token: TokenProb) -> str:
     lines = [f"{json_quote(token.text)}  p {token.prob:.3f} (logprob {token.logprob:.2f})"]
+    if token.drafted:
+        lines.append("an accepted speculative draft")
     if token.top:
         lines.append(f"top {len(token.top)}:")
         lines += [f"  {json_quote(text)}  {math.exp(lp):.3f}" for text, lp in token.top]
@@ -107,8 +117,9 @@ def probability_html(tokens: Sequence[TokenProb], cursor: bool = False) -> str:
     for token in tokens:
         alpha = MAX_ALPHA * (1.0 - min(1.0, token.prob))
         text = html.escape(token.text).replace("\n", f"{NEWLINE_MARK}<br>")
+        css = "pg-tok pg-drafted" if token.drafted else "pg-tok"
         spans.append(
-            f'<span class="pg-tok" style="background: rgba({SHADE_RGB}, {alpha:.2f})" '
+            f'<span class="{css}" style="background: rgba({SHADE_RGB}, {alpha:.2f})" '
             f'title="{_hover(token)}">{text}</span>'
         )
     return '<div class="pg-tokens">' + "".join(spans) + (" ▌" if cursor else "") + "</div>"

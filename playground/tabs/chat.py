@@ -50,6 +50,19 @@ REMOTE_NOTE = (
 )
 
 
+TOKEN_PROBS_INFO = (
+    "Shades each token by the model's probability of it (darker = less likely; raw logits, "
+    f"before temperature and penalties); hover a token for its top {TOP_LOGPROBS}. The stats "
+    "line adds the reply's perplexity."
+)
+DRAFTS_INFO = " Underlined: accepted speculative drafts."
+
+
+def _drafts_on(ctx: AppContext) -> bool:
+    """The in-process engine verifies drafts (the token view can mark the accepted ones)."""
+    return ctx.service is not None and ctx.service.config.speculative_method != "off"
+
+
 def create_ui(ctx: AppContext) -> SimpleNamespace:
     ui = SimpleNamespace()
     with gr.Row():
@@ -91,9 +104,7 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             )  # fmt: skip
             ui.token_probs = gr.Checkbox(
                 False, label="Show token probabilities", elem_id="chat-token-probs",
-                info="Shades each token by the model's probability of it (darker = less "
-                "likely; raw logits, before temperature and penalties); hover a token for its "
-                f"top {TOP_LOGPROBS}. The stats line adds the reply's perplexity.",
+                info=TOKEN_PROBS_INFO + (DRAFTS_INFO if _drafts_on(ctx) else ""),
             )  # fmt: skip
             # The 135M model loops ("the hornet's hornet's ..."); these are the usual cure.
             with gr.Accordion("Repetition penalties", open=False, elem_id="chat-penalties"):
