@@ -11,12 +11,14 @@ import re
 import pytest
 
 from engine import SamplingParams
+from engine.serving.logprobs_format import TokenTexts
 from playground.handlers.chat import build_messages, render, sampling_params
 from playground.handlers.chat_engine import EngineChat
 from playground.handlers.token_probs import (
     MAX_ALPHA,
     TOP_LOGPROBS,
     TokenProb,
+    engine_token_probs,
     from_openai,
     perplexity,
     probability_html,
@@ -76,6 +78,16 @@ def test_accepted_drafts_are_marked_in_the_view_and_the_hover():
     shown = probability_html([plain, drafted])
     assert shown.count('class="pg-tok"') == 1 and shown.count('class="pg-tok pg-drafted"') == 1
     assert shown.count("an accepted speculative draft") == 1
+
+
+def test_engine_flags_beyond_an_outputs_tokens_are_later_steps():
+    """The engine's flags grow while a stream is read: an output's tokens take the first ones."""
+    from engine.request import TokenLogprob
+
+    logprobs = [TokenLogprob(5, -0.1, 1), TokenLogprob(6, -0.2, 1)]
+    tokens = engine_token_probs(TokenTexts(None), logprobs, [False, True, True, False])
+    assert [t.drafted for t in tokens] == [False, True]
+    assert not any(t.drafted for t in engine_token_probs(TokenTexts(None), logprobs, [True]))
 
 
 def test_a_turn_with_tokens_shows_them_and_keeps_its_text_for_the_model():

@@ -74,9 +74,13 @@ def engine_token_probs(
     if not logprobs:
         return ()
     tokens = from_openai(chat_logprobs(logprobs, texts)["content"])
-    if len(drafted) != len(tokens):  # not aligned (a sequence cut meanwhile): marks left out
+    # The flags live on the engine's metrics, which later steps extend (never rewrite: a stop
+    # string cuts only its own step's tokens, before the output is sent), so this output's
+    # tokens are the first len(tokens) flags.
+    flags = list(drafted[: len(tokens)])
+    if len(flags) != len(tokens):
         return tokens
-    return tuple(dataclasses.replace(t, drafted=d) for t, d in zip(tokens, drafted, strict=True))
+    return tuple(dataclasses.replace(t, drafted=d) for t, d in zip(tokens, flags, strict=True))
 
 
 def perplexity(tokens: Sequence[TokenProb]) -> float | None:
