@@ -94,7 +94,13 @@ def create_ui(ctx: AppContext) -> SimpleNamespace:
             # precision=None: Gradio would round 2.5 silently; sampling_params refuses it.
             ui.top_k = gr.Number(-1, label="Top-k (-1 = off)", elem_id="chat-top-k")
             ui.max_tokens = gr.Slider(1, 1024, 256, step=1, label="Max new tokens")
-            ui.seed = gr.Number(-1, label="Seed (-1 = random)", elem_id="chat-seed")
+            # -1: our engine draws the reply's seed from its own --seed (as vLLM does), so a
+            # restarted app replays the same conversation; a remote server gets no seed.
+            ui.seed = gr.Number(
+                -1, label="Seed (-1 = random)", elem_id="chat-seed",
+                info="-1 sends no seed: the server picks" if ctx.remote else
+                "-1 takes the next seed from the engine's --seed (the same after a restart)",
+            )  # fmt: skip
             # Parallel sampling: n replies from one prompt, sharing its KV blocks (engine
             # only; a remote server's n support varies, so remote mode keeps n = 1).
             ui.n = gr.Slider(
