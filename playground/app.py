@@ -31,6 +31,7 @@ from playground.tabs import (
 )
 
 CSS_PATH = Path(__file__).with_name("theme.css")
+PLAIN_COPY_JS = Path(__file__).with_name("plain_copy.js")  # the chat's copy buttons copy text
 
 # (tab label, module, elem_id): the order they appear in.
 TABS = (
@@ -135,6 +136,7 @@ def launch(
         share=share,
         prevent_thread_lock=not block,
         css_paths=[CSS_PATH],
+        js=PLAIN_COPY_JS.read_text(),
         show_error=True,
         quiet=not block,
         **kwargs,

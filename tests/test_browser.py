@@ -174,6 +174,15 @@ def test_chat_token_probabilities_render_as_shaded_spans_with_hover_text(page, s
     assert "rgba(" in (spans.first.get_attribute("style") or "")
     assert re.search(r"p \d\.\d{3} \(logprob", spans.first.get_attribute("title") or "")
     shot(page, "chat_token_probs")
+    # A message's copy button copies its text, not the view's HTML or the stats line's markup
+    # (playground/plain_copy.js).
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    reply = page.locator("#chatbot .pg-tokens").first
+    expected = reply.evaluate("d => [...d.querySelectorAll('.pg-tok')].map(s => s.textContent)"
+                              ".join('').replaceAll('↵', '\\n')")  # fmt: skip
+    page.locator("#chatbot button[aria-label*='opy' i]").last.click()
+    copied = page.evaluate("navigator.clipboard.readText()")
+    assert copied == expected and "<" not in copied and "TTFT" not in copied, copied
     page.locator("#chat-token-probs input").uncheck()
     page.locator("#chat-clear").click()
 

@@ -128,4 +128,10 @@ def test_n_replies_show_side_by_side(page):
     assert boxes[0]["x"] < boxes[1]["x"] < boxes[2]["x"], boxes  # side by side
     assert abs(boxes[0]["y"] - boxes[2]["y"]) < 2, boxes  # on one row
     expect(columns.nth(0)).to_contain_text("Reply 1 (continues)")
+    # Copying the message gives the three replies as text (playground/plain_copy.js).
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.locator("#chatbot button[aria-label*='opy' i]").last.click()
+    copied = page.evaluate("navigator.clipboard.readText()")
+    assert copied.startswith("Reply 1 (continues)\n") and "\n\nReply 3\n" in copied, copied
+    assert "<" not in copied and "TTFT" not in copied, copied
     set_number(page, "tab-chat", "number input for Replies (n, side by side)", 1)
