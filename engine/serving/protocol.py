@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -192,14 +193,18 @@ class ChatCompletionRequest(_SamplingRequest):
 # --- responses -------------------------------------------------------------------------------
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
-    """OpenAI's usage object; prompt_tokens_details.cached_tokens: the prompt tokens the prefix
-    cache held (0 with it off), which OpenAI and vLLM report there too."""
+def usage(outputs: Sequence[Any]) -> dict:
+    """OpenAI's usage object for a request's final RequestOutputs (one per choice): the prompt
+    counted once, every choice's tokens, and prompt_tokens_details.cached_tokens, the prompt
+    tokens the prefix cache held (0 with it off), which OpenAI and vLLM report there too."""
+    first = outputs[0]
+    num_prompt_tokens = len(first.prompt_token_ids)
+    num_output_tokens = sum(len(out.token_ids) for out in outputs)
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": first.metrics.num_cached_tokens},
     }
 
 

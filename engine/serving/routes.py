@@ -156,15 +156,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             state.inflight.discard(rid)
         texts = TokenTexts(service.tokenizer)
         choices = [_completion_choice(service, req, out, texts) for out in finals]
-        num_output = sum(len(out.token_ids) for out in finals)
         return JSONResponse(
             completion_response(
                 stream.request_id,
                 model,
                 choices,
-                usage(
-                    len(finals[0].prompt_token_ids), num_output, finals[0].metrics.num_cached_tokens
-                ),
+                usage(finals),
             )
         )
 
@@ -210,15 +207,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                         chat_logprobs(out.logprobs or [], texts) if req.logprobs else None)
             for out in finals
         ]  # fmt: skip
-        num_output = sum(len(out.token_ids) for out in finals)
         return JSONResponse(
             chat_response(
                 stream.request_id,
                 model,
                 choices,
-                usage(
-                    len(finals[0].prompt_token_ids), num_output, finals[0].metrics.num_cached_tokens
-                ),
+                usage(finals),
             )
         )
 

@@ -202,8 +202,5 @@ async def _events(
         if chunk is not None:
             yield event(chunk)
     if include_usage and last:
-        first = next(iter(last.values()))  # the prompt is counted once for n
-        num_output = sum(len(out.token_ids) for out in last.values())
-        u = usage(len(first.prompt_token_ids), num_output, first.metrics.num_cached_tokens)
-        yield sse(usage_chunk(stream.request_id, model, usage_object, u))
+        yield sse(usage_chunk(stream.request_id, model, usage_object, usage(list(last.values()))))
     yield SSE_DONE
