@@ -90,6 +90,25 @@ def test_engine_flags_beyond_an_outputs_tokens_are_later_steps():
     assert not any(t.drafted for t in engine_token_probs(TokenTexts(None), logprobs, [True]))
 
 
+def test_a_streaming_reply_converts_only_its_new_entries():
+    """TokensSoFar: update by update, the same tokens as converting everything at once, each
+    entry converted once (the engine's logprobs and a server's only grow)."""
+    from engine.request import TokenLogprob
+    from playground.handlers.token_probs import TokensSoFar
+
+    remote = TokensSoFar()
+    assert remote.from_openai(CONTENT[:1]) == from_openai(CONTENT[:1])
+    assert remote.from_openai(CONTENT) == from_openai(CONTENT) and remote.num_seen == 3
+    logprobs = [TokenLogprob(i, -0.1 * i, 1) for i in range(4)]
+    drafted = [False, True, True, False]
+    engine, texts = TokensSoFar(), TokenTexts(None)
+    engine.from_engine(texts, logprobs[:2], drafted[:3])  # the flags run ahead of the output
+    assert engine.from_engine(texts, logprobs, drafted) == engine_token_probs(
+        texts, logprobs, drafted
+    )
+    assert engine.num_seen == 4 and [t.drafted for t in engine.tokens] == drafted
+
+
 def test_a_turn_with_tokens_shows_them_and_keeps_its_text_for_the_model():
     tokens = [list(from_openai(CONTENT))]
     turn = {"role": "assistant", "content": "<b>\n *x*", "stats": "TTFT 5 ms", "tokens": tokens}

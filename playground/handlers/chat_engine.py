@@ -16,7 +16,7 @@ from playground.handlers.chat import (
     StreamThrottle,
     stats_line,
 )
-from playground.handlers.token_probs import engine_token_probs, probability_stats
+from playground.handlers.token_probs import TokensSoFar, probability_stats
 
 
 def prompt_for(service: EngineClient, messages: list[dict]) -> list[int] | str:
@@ -100,15 +100,19 @@ class EngineChat:
         come as alternatives, shown beside it."""
         prompt = prompt_for(self.service, messages)
         texts = TokenTexts(self.service.tokenizer) if params.logprobs is not None else None
+        so_far: dict[int, TokensSoFar] = {}  # per sequence index
         async for outs in stream_replies(self.service, prompt, params, self.active, session):
             # request_finished marks the request's last delta, whichever sequence ended last.
             out, finished = outs[0], any(o.request_finished for o in outs)
             n = sum(len(o.token_ids) for o in outs)
-            tokens = (
-                tuple(engine_token_probs(texts, o.logprobs, o.metrics.token_drafted) for o in outs)
-                if texts
-                else ()
-            )
+            tokens = ()
+            if texts:
+                tokens = tuple(
+                    so_far.setdefault(o.index, TokensSoFar()).from_engine(
+                        texts, o.logprobs, o.metrics.token_drafted
+                    )
+                    for o in outs
+                )
             stats = ""
             if finished:
                 stats = engine_stats_line(self.service.config, out)

@@ -20,7 +20,7 @@ from playground.handlers.chat import (
     StreamThrottle,
     stats_line,
 )
-from playground.handlers.token_probs import from_openai, probability_stats
+from playground.handlers.token_probs import TokensSoFar, probability_stats
 from playground.remote.chat import ChatStream, ChatUpdate, chat_body, check_remote_params
 from playground.remote.client import RemoteServer
 
@@ -74,12 +74,13 @@ class RemoteChat:
         stream = ChatStream(self.remote, chat_body(self.remote.model, messages, params))
         self.active.set(session, stream)
         throttle = StreamThrottle()
+        so_far = TokensSoFar()
         try:
             async with contextlib.aclosing(stream.updates()) as updates:  # leaving closes it
                 async for u in updates:
                     if not throttle.due(u.finished):
                         continue  # the next update carries the whole text so far
-                    tokens = (from_openai(u.logprobs),) if u.logprobs else ()
+                    tokens = (so_far.from_openai(u.logprobs),) if u.logprobs else ()
                     stats = remote_stats_line(u)  # "" until the last update
                     if stats and params.logprobs is not None:
                         stats += probability_stats(tokens[0]) if tokens else NO_LOGPROBS
